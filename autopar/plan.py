@@ -1,0 +1,243 @@
+"""``Plan``: what the planner chose, serializable, deterministic and readable.
+
+A plan names, for every node of the traced step graph (by its stable fx name), the strategy
+it takes: the placements of its outputs and of its tensor inputs on every mesh axis, as short
+text (``S(0)``, ``R``, ``P(sum)``). It also records the collectives the plan runs per step,
+the cost breakdown, and statistics of the planning run.
+
+``to_json()`` leaves out the wall-clock timings (``stats`` keys ending in ``_s``): they belong
+to a run, not to the plan, and the same model, inputs and mesh must give the same JSON byte
+for byte. ``to_json(timings=True)`` keeps them; ``from_json`` reads either, and
+``Plan.from_json(p.to_json(timings=True)) == p``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .mesh import Mesh
+
+__all__ = ["Plan", "NodeChoice", "PLAN_FORMAT"]
+
+PLAN_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class NodeChoice:
+    """The strategy chosen for one node.
+
+    Attributes:
+        op: the op's name (``aten.mm.default``) or ``placeholder``.
+        module: module path of the original model the node came from ("" at top level).
+        role: ``param``/``buffer``/``input``/``target``/``tangent``/``forward``/``backward``.
+        out: per output, the placement text per mesh axis (None for a non-tensor output).
+        ins: per tensor input, the placement text per mesh axis.
+        cost_s: the node's compute time under this strategy (seconds).
+    """
+
+    op: str
+    module: str
+    role: str
+    out: tuple[tuple[str, ...] | None, ...]
+    ins: tuple[tuple[str, ...], ...]
+    cost_s: float
+
+    def to_dict(self) -> dict:
+        return {
+            "op": self.op,
+            "module": self.module,
+            "role": self.role,
+            "out": [None if o is None else list(o) for o in self.out],
+            "ins": [list(i) for i in self.ins],
+            "cost_s": self.cost_s,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> NodeChoice:
+        return cls(
+            op=d["op"],
+            module=d["module"],
+            role=d["role"],
+            out=tuple(None if o is None else tuple(o) for o in d["out"]),
+            ins=tuple(tuple(i) for i in d["ins"]),
+            cost_s=d["cost_s"],
+        )
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A sharding plan for one training step on one mesh.
+
+    Attributes:
+        fingerprint: hash of the traced step graph the plan was made for.
+        mesh: the mesh planned for.
+        nodes: node name -> ``NodeChoice``, in graph order.
+        params: original parameter name -> its placeholder node name.
+        buffers: original buffer name -> its placeholder node name.
+        inputs: placeholder node names of the user inputs, then the targets.
+        has_loss: the step returns a loss (else the model outputs).
+        outputs: per graph output (loss or model outputs, then gradients), the placement
+            it leaves the step with (None for a non-tensor output).
+        fallback_nodes: nodes replicated because their op has no sharding rule.
+        collectives: the collectives one step runs, predicted: dicts with ``edge``,
+            ``kind``, ``axis`` (name), ``nbytes``, ``group_size``.
+        cost: ``compute_s``, ``comm_s``, ``total_s`` and ``comm_by_kind_s``.
+        memory: ``param_bytes_per_rank`` and ``param_bytes_total``.
+        warnings: ops replicated for lack of a rule, and similar notes.
+        stats: planning statistics: problem size, solver status, and timings
+            (``trace_s``, ``search_s`` and per stage ``*_s``).
+        versions: versions of autopar and torch that made the plan.
+    """
+
+    fingerprint: str
+    mesh: Mesh
+    nodes: dict[str, NodeChoice]
+    params: dict[str, str]
+    buffers: dict[str, str]
+    inputs: tuple[str, ...]
+    has_loss: bool
+    outputs: tuple[tuple[str, ...] | None, ...] = ()
+    fallback_nodes: tuple[str, ...] = ()
+    collectives: tuple[dict, ...] = ()
+    cost: dict = field(default_factory=dict)
+    memory: dict = field(default_factory=dict)
+    warnings: tuple[str, ...] = ()
+    stats: dict = field(default_factory=dict)
+    versions: dict = field(default_factory=dict)
+
+    # -- views ---------------------------------------------------------------------------
+
+    @property
+    def param_placements(self) -> dict[str, tuple]:
+        """``{parameter name: tuple of torch placements, one per mesh axis}``."""
+        from autopar.passes.strategies import parse_placement
+
+        return {
+            name: tuple(parse_placement(p) for p in self.nodes[node].out[0])
+            for name, node in self.params.items()
+        }
+
+    @property
+    def input_placements(self) -> list[tuple]:
+        """Placements of each user input, then each target, one tuple per tensor."""
+        from autopar.passes.strategies import parse_placement
+
+        return [tuple(parse_placement(p) for p in self.nodes[n].out[0]) for n in self.inputs]
+
+    @property
+    def output_placements(self) -> tuple[tuple[str, ...] | None, ...]:
+        return self.outputs
+
+    def collective_counts(self) -> dict[tuple[str, str], int]:
+        """``{(kind, axis name): how many per step}`` of the predicted collectives."""
+        counts: dict[tuple[str, str], int] = {}
+        for c in self.collectives:
+            key = (c["kind"], c["axis"])
+            counts[key] = counts.get(key, 0) + 1
+        return dict(sorted(counts.items()))
+
+    def summary(self) -> str:
+        """A readable table: parameters and their placements, the step's costs, the
+        collectives per step, and the planning statistics."""
+        axes = self.mesh.axis_names
+        lines = [f"autopar plan for {self.mesh} (graph {self.fingerprint})", ""]
+        width = max([len(n) for n in self.params] + [9])
+        head = f"{'parameter':<{width}}  {'shape':<14}" + "".join(f"  {a:<6}" for a in axes)
+        lines += [head, "-" * len(head)]
+        shapes = self.stats.get("param_shapes", {})
+        for name, node in self.params.items():
+            ps = self.nodes[node].out[0]
+            shape = "x".join(str(s) for s in shapes.get(name, ())) or "?"
+            lines.append(f"{name:<{width}}  {shape:<14}" + "".join(f"  {p:<6}" for p in ps))
+        lines.append("")
+        for i, node in enumerate(self.inputs):
+            ps = self.nodes[node].out[0]
+            lines.append(f"input {i}: " + ", ".join(f"{a}={p}" for a, p in zip(axes, ps)))
+        c = self.cost
+        lines += [
+            "",
+            f"estimated step time: {c.get('total_s', 0) * 1e3:.4f} ms "
+            f"(compute {c.get('compute_s', 0) * 1e3:.4f} ms, "
+            f"communication {c.get('comm_s', 0) * 1e3:.4f} ms)",
+            f"parameter memory per rank: {self.memory.get('param_bytes_per_rank', 0) / 2**20:.2f} MiB"
+            f" of {self.memory.get('param_bytes_total', 0) / 2**20:.2f} MiB",
+            "collectives per step: "
+            + (
+                ", ".join(f"{k}@{a} x{n}" for (k, a), n in self.collective_counts().items())
+                or "none"
+            ),
+        ]
+        st = self.stats
+        lines.append(
+            f"problem: {st.get('nodes', '?')} nodes, {st.get('strategies', '?')} strategies, "
+            f"{st.get('variables', '?')} variables, {st.get('constraints', '?')} constraints; "
+            f"solver {st.get('solver', '?')} {st.get('status', '?')}"
+        )
+        if "trace_s" in st:
+            lines.append(f"time: trace {st['trace_s']:.2f} s, search {st.get('search_s', 0):.2f} s")
+        for w in self.warnings:
+            lines.append(f"warning: {w}")
+        return "\n".join(lines)
+
+    # -- serialization -------------------------------------------------------------------
+
+    def to_dict(self, *, timings: bool = False) -> dict:
+        stats = {k: v for k, v in self.stats.items() if timings or not k.endswith("_s")}
+        return {
+            "format": PLAN_FORMAT,
+            "fingerprint": self.fingerprint,
+            "mesh": self.mesh.to_dict(),
+            "nodes": {k: v.to_dict() for k, v in self.nodes.items()},
+            "params": dict(self.params),
+            "buffers": dict(self.buffers),
+            "inputs": list(self.inputs),
+            "has_loss": self.has_loss,
+            "outputs": [None if o is None else list(o) for o in self.outputs],
+            "fallback_nodes": list(self.fallback_nodes),
+            "collectives": [dict(c) for c in self.collectives],
+            "cost": dict(self.cost),
+            "memory": dict(self.memory),
+            "warnings": list(self.warnings),
+            "stats": stats,
+            "versions": dict(self.versions),
+        }
+
+    def to_json(self, *, timings: bool = False) -> str:
+        return json.dumps(self.to_dict(timings=timings), indent=1, sort_keys=False)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Plan:
+        if d.get("format") != PLAN_FORMAT:
+            raise ValueError(
+                f"plan format {d.get('format')!r} is not {PLAN_FORMAT}: re-plan with this autopar"
+            )
+        return cls(
+            fingerprint=d["fingerprint"],
+            mesh=Mesh.from_dict(d["mesh"]),
+            nodes={k: NodeChoice.from_dict(v) for k, v in d["nodes"].items()},
+            params=dict(d["params"]),
+            buffers=dict(d["buffers"]),
+            inputs=tuple(d["inputs"]),
+            has_loss=d["has_loss"],
+            outputs=tuple(None if o is None else tuple(o) for o in d["outputs"]),
+            fallback_nodes=tuple(d["fallback_nodes"]),
+            collectives=tuple(dict(c) for c in d["collectives"]),
+            cost=dict(d["cost"]),
+            memory=dict(d["memory"]),
+            warnings=tuple(d["warnings"]),
+            stats=dict(d["stats"]),
+            versions=dict(d["versions"]),
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        return cls.from_dict(json.loads(text))
+
+    def save(self, path: str | Path, *, timings: bool = False) -> None:
+        Path(path).write_text(self.to_json(timings=timings))
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        return cls.from_json(Path(path).read_text())

@@ -1,0 +1,184 @@
+"""Run the parallel step beside the single-device model and compare.
+
+``verify_rank`` is what each process of a local mesh runs (``runtime.run_local``): it builds
+the same model on every rank (same seed), compiles it with autopar on the mesh, and steps
+both the parallel module and an untouched copy of the model with AdamW, returning the
+losses, the largest relative gradient error and the largest relative parameter error.
+``verify`` launches it and returns rank 0's report.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["VerifyReport", "verify", "verify_rank", "resolve_example"]
+
+
+@dataclass
+class VerifyReport:
+    """What one rank saw.
+
+    Attributes:
+        losses / ref_losses: the parallel and single-device loss of each step.
+        grad_rel_err: max over parameters of ||g_par - g_ref|| / ||g_ref|| (first step).
+        param_rel_err: the same for the parameters after the optimizer steps.
+        predicted / ran: collective counts the plan predicts and that the compiled graph runs.
+        mismatches: ops that ran with another placement than planned.
+    """
+
+    losses: list[float]
+    ref_losses: list[float]
+    grad_rel_err: float
+    param_rel_err: float
+    worst_grad: str = ""
+    worst_param: str = ""
+    predicted: dict = field(default_factory=dict)
+    ran: dict = field(default_factory=dict)
+    mismatches: list[str] = field(default_factory=list)
+    plan_json: str = ""
+
+
+def resolve_example(name: str):
+    """A factory by built-in name (``autopar.models.EXAMPLES``) or ``path/to/file.py:fn``."""
+    from .models import EXAMPLES
+
+    if name in EXAMPLES:
+        return EXAMPLES[name]
+    if ":" in name:
+        import importlib.util
+
+        path, fn = name.rsplit(":", 1)
+        spec = importlib.util.spec_from_file_location("autopar_user_model", path)
+        if spec is None or spec.loader is None:
+            raise FileNotFoundError(f"cannot load {path}")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return getattr(mod, fn)
+    raise KeyError(
+        f"unknown model {name!r}: built-in names are {sorted(EXAMPLES)}, or give file.py:factory"
+    )
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    denom = b.norm().item()
+    diff = (a - b).norm().item()
+    return diff / denom if denom > 0 else diff
+
+
+def _cast(t, dtype):
+    return t.to(dtype) if t.is_floating_point() else t
+
+
+def verify_rank(
+    rank: int,
+    world_size: int,
+    example: str,
+    mesh_shape: tuple[int, ...],
+    axis_names: tuple[str, ...],
+    steps: int = 3,
+    dtype: str = "float64",
+    lr: float = 1e-2,
+    plan_json: str | None = None,
+    batch: int = 8,
+    memory_fraction: float | None = None,
+) -> VerifyReport:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import autopar
+
+    dt = getattr(torch, dtype)
+    torch.manual_seed(0)
+    model, inputs, loss_fn, targets = resolve_example(example)(batch=batch)
+    model = model.to(dt)
+    inputs = tuple(_cast(t, dt) for t in inputs)
+    targets = tuple(_cast(t, dt) for t in targets)
+    ref = copy.deepcopy(model)
+
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=axis_names)
+    plan = autopar.Plan.from_json(plan_json) if plan_json else None
+    budget = None
+    if memory_fraction is not None:
+        full = sum(p.numel() * p.element_size() for p in model.parameters())
+        budget = 4 * full * memory_fraction
+    pm = autopar.compile(
+        model,
+        mesh,
+        inputs,
+        loss_fn=loss_fn,
+        example_targets=targets,
+        plan=plan,
+        memory_budget=budget,
+    )
+    local = pm.shard_inputs(*inputs, *targets)
+
+    opt = torch.optim.AdamW(pm.parameters(), lr=lr)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=lr)
+    losses, ref_losses = [], []
+    grad_err, worst_grad = 0.0, ""
+    for i in range(steps):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        loss = pm(*local)
+        loss.backward()
+        ref_loss = loss_fn(ref(*inputs), *targets)
+        ref_loss.backward()
+        losses.append(loss.item())
+        ref_losses.append(ref_loss.item())
+        if i == 0:
+            grads = pm.gather_grads()
+            for name, p in ref.named_parameters():
+                if p.grad is None:
+                    continue
+                err = _rel(grads[name], p.grad)
+                if err > grad_err:
+                    grad_err, worst_grad = err, name
+        opt.step()
+        ref_opt.step()
+    full = pm.state_dict()
+    param_err, worst_param = 0.0, ""
+    for name, p in ref.named_parameters():
+        err = _rel(full[name], p.detach())
+        if err > param_err:
+            param_err, worst_param = err, name
+    dist.barrier()
+    return VerifyReport(
+        losses=losses,
+        ref_losses=ref_losses,
+        grad_rel_err=grad_err,
+        param_rel_err=param_err,
+        worst_grad=worst_grad,
+        worst_param=worst_param,
+        predicted=pm.plan.collective_counts(),
+        ran=pm.collective_counts(),
+        mismatches=pm.mismatches,
+        plan_json=pm.plan.to_json() if rank == 0 else "",
+    )
+
+
+def verify(example: str, mesh_shape, axis_names, **kwargs) -> list[VerifyReport]:
+    """Run ``verify_rank`` on a local gloo mesh; returns every rank's report."""
+    import math
+
+    from .runtime import run_local
+
+    world = math.prod(mesh_shape)
+    return run_local(
+        verify_rank, world, example, tuple(mesh_shape), tuple(axis_names), *_args(kwargs)
+    )
+
+
+def _args(kwargs):
+    order = ["steps", "dtype", "lr", "plan_json", "batch", "memory_fraction"]
+    defaults = {
+        "steps": 3,
+        "dtype": "float64",
+        "lr": 1e-2,
+        "plan_json": None,
+        "batch": 8,
+        "memory_fraction": None,
+    }
+    return [kwargs.get(k, defaults[k]) for k in order]

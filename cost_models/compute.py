@@ -1,0 +1,201 @@
+"""Roofline compute time of one ATen op on local (per-rank) shapes.
+
+Takes one op (an ``OpOverload`` such as ``torch.ops.aten.mm.default``) with its arguments and
+result described by shape: every tensor in ``args``, ``kwargs`` and ``out`` is replaced by its
+``torch.Size``; everything else (ints, int lists, None, nested lists and tuples) stays as the
+op got it. Non-tensor int lists must stay lists, not ``torch.Size``: a ``torch.Size`` always
+means "a tensor of this shape". Returns seconds.
+
+The model, for an op that runs a kernel::
+
+    t(op) = max(F / P(dtype), B / W) + L
+
+    F  FLOPs of the op                                  ``op_flops``
+    P  peak FLOP/s of the device for the dtype          ``DeviceProfile.flops_for``
+    B  bytes read + written = sum over tensors of numel * element size   ``op_bytes``
+    W  device memory bandwidth                          ``DeviceProfile.mem_bandwidth``
+    L  fixed per-op overhead                            ``DeviceProfile.kernel_launch``
+
+``compute_time`` puts the terms together. F comes from ``torch.utils.flop_counter``'s
+formulas (mm, addmm, bmm, baddbmm, convolution, scaled-dot-product attention and their
+backward), called the way ``FlopCounterMode`` calls them; an op without a formula counts one
+FLOP per output element (pointwise ops, reductions: both far below the ridge point
+P / W, so F hardly matters for them). B counts the input tensors and the written tensors
+(the outputs, or the mutated arguments of an op that returns nothing) once each; it ignores
+caches, so it is the compulsory traffic.
+
+Ops that cost 0 (``compute_time`` returns 0.0, no overhead):
+    - view ops (``is_view_op``): the output aliases an input, no kernel runs;
+    - allocation-only ops (``empty``, ``empty_strided``, ...) and shape queries;
+    - ops with no tensor among their inputs or outputs.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.flop_counter import flop_registry
+
+from .devices import DeviceProfile
+
+__all__ = ["compute_time", "is_view_op", "op_bytes", "op_flops"]
+
+aten = torch.ops.aten
+
+# FLOP formulas torch's registry lacks for ops a CPU trace contains; same math as the CUDA
+# variants (the registry's sdpa formulas take (query, key, value, ...) / (grad_out, query,
+# key, value, ...), which is how these ops order their arguments too).
+_EXTRA_FLOP_FORMULAS: dict[Any, Any] = {
+    aten._scaled_dot_product_flash_attention_for_cpu: flop_registry[
+        aten._scaled_dot_product_flash_attention
+    ],
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: flop_registry[
+        aten._scaled_dot_product_flash_attention_backward
+    ],
+}
+
+# Aliasing ops whose schema does not say so (``OpOverload.is_view`` is False for them).
+_EXTRA_VIEW_PACKETS = frozenset({aten._unsafe_view})
+
+# Ops that launch no kernel though they return a tensor or a number.
+_NO_KERNEL_PACKETS = frozenset(
+    {
+        aten.empty,
+        aten.empty_like,
+        aten.empty_strided,
+        aten.new_empty,
+        aten.new_empty_strided,
+        aten.sym_size,
+        aten.sym_stride,
+        aten.sym_numel,
+        aten.sym_storage_offset,
+    }
+)
+
+
+def _is_size(x: Any) -> bool:
+    return isinstance(x, torch.Size)
+
+
+def _sizes(tree: Any) -> list[torch.Size]:
+    """The ``torch.Size`` leaves of a pytree, in order."""
+    leaves, _ = tree_flatten(tree, is_leaf=_is_size)
+    return [x for x in leaves if isinstance(x, torch.Size)]
+
+
+def _packet(op: Any) -> Any:
+    return getattr(op, "overloadpacket", op)
+
+
+def is_view_op(op: Any) -> bool:
+    """True when ``op``'s output aliases its input, so it runs no kernel.
+
+    Uses the schema (``OpOverload.is_view``: view, reshape, t, transpose, permute, expand,
+    squeeze, unsqueeze, slice, select, split, alias, detach, as_strided, ...) plus
+    ``aten._unsafe_view`` and ``operator.getitem`` (picks one output of a multi-output op).
+    """
+    # NOTE: reshape/contiguous are "views" by schema but copy when strides forbid a view; in a
+    # traced aten graph (post-dispatch) they are already split into clone + _unsafe_view, and
+    # the clone pays for the copy.
+    if op is operator.getitem:
+        return True
+    if isinstance(op, torch._ops.OpOverload):
+        return bool(op.is_view) or op.overloadpacket in _EXTRA_VIEW_PACKETS
+    return False
+
+
+def _runs_no_kernel(op: Any) -> bool:
+    return is_view_op(op) or _packet(op) in _NO_KERNEL_PACKETS
+
+
+def _written_sizes(op: Any, args: tuple, kwargs: dict, out: Any) -> list[torch.Size]:
+    """Shapes the op writes: its outputs, or, when it returns no tensor (``_foreach_add_``),
+    the arguments its schema marks as mutated (``Tensor(a!)``)."""
+    written = _sizes(out)
+    if written or not isinstance(op, torch._ops.OpOverload):
+        return written
+    for i, arg in enumerate(op._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        if not arg.kwarg_only and i < len(args):
+            written += _sizes(args[i])
+        elif arg.name in kwargs:
+            written += _sizes(kwargs[arg.name])
+    return written
+
+
+def op_flops(op: Any, args: tuple, kwargs: dict | None, out: Any) -> float:
+    """FLOPs of ``op`` on the shapes in ``args``/``kwargs``/``out`` (tensors as ``torch.Size``).
+
+    Ops with a formula in ``torch.utils.flop_counter.flop_registry`` (keyed by
+    ``op.overloadpacket``) use it: each ``torch.Size`` becomes a meta tensor and the formula
+    is called as ``FlopCounterMode`` calls it, ``formula(*args, **kwargs, out_val=out)``.
+    View ops count 0; any other op counts one FLOP per written element (see module docstring).
+    """
+    kwargs = kwargs or {}
+    if _runs_no_kernel(op):
+        return 0.0
+    packet = _packet(op)
+    formula = flop_registry.get(packet) or _EXTRA_FLOP_FORMULAS.get(packet)
+    if formula is not None:
+        # NOTE: meta tensors rather than bare sizes: some registered formulas are "raw" (they
+        # read ``.shape`` and ``.device`` themselves, e.g. _flash_attention_forward), the
+        # others strip tensors to shapes in their wrapper. Meta tensors serve both, for free.
+        m_args, m_kwargs, m_out = tree_map(
+            lambda x: torch.empty(x, device="meta") if isinstance(x, torch.Size) else x,
+            (tuple(args), dict(kwargs), out),
+            is_leaf=_is_size,
+        )
+        return float(formula(*m_args, **m_kwargs, out_val=m_out))
+    return float(sum(math.prod(s) for s in _written_sizes(op, tuple(args), kwargs, out)))
+
+
+def op_bytes(
+    in_sizes_dtypes: Iterable[tuple[torch.Size, torch.dtype]],
+    out_sizes_dtypes: Iterable[tuple[torch.Size, torch.dtype]],
+) -> float:
+    """Bytes read + written: sum over all given tensors of numel * element size."""
+    total = 0
+    for size, dtype in (*in_sizes_dtypes, *out_sizes_dtypes):
+        total += math.prod(size) * dtype.itemsize
+    return float(total)
+
+
+def compute_time(
+    profile: DeviceProfile,
+    op: Any,
+    args: tuple,
+    kwargs: dict | None,
+    out: Any,
+    dtype: torch.dtype,
+    *,
+    nbytes: float | None = None,
+) -> float:
+    """Roofline time in seconds of one ``op`` on local shapes (see the module docstring).
+
+    Args:
+        profile: the device (``devices.get_profile(mesh.device)``).
+        op: an ``OpOverload`` (or ``operator.getitem``).
+        args, kwargs, out: the op's arguments and result, every tensor as its ``torch.Size``.
+        dtype: the dtype the op computes in; picks the peak FLOP/s and, unless ``nbytes`` is
+            given, the element size of every tensor.
+        nbytes: bytes read + written, when the caller knows each tensor's dtype (compute it
+            with ``op_bytes``); default: every tensor counted at ``dtype``'s element size.
+    """
+    kwargs = kwargs or {}
+    if _runs_no_kernel(op):
+        return 0.0
+    read = _sizes((tuple(args), kwargs))
+    written = _written_sizes(op, tuple(args), kwargs, out)
+    if not read and not written:
+        return 0.0
+    flops = op_flops(op, args, kwargs, out)
+    if nbytes is None:
+        nbytes = op_bytes([(s, dtype) for s in read], [(s, dtype) for s in written])
+    roof = max(flops / profile.flops_for(dtype), nbytes / profile.mem_bandwidth)
+    return roof + profile.kernel_launch

@@ -1,0 +1,260 @@
+"""Rewrite the global step graph into the local step graph one rank runs.
+
+Takes: the ``StepGraph`` (passes/trace), a ``Plan`` and a torch ``DeviceMesh`` with its
+process groups. Returns: a new joint ``GraphModule`` over local shards, with functional
+collectives (``_c10d_functional.*``) where the plan redistributes, ready for aot_autograd to
+partition and compile (``compile_local_step``).
+
+How: an ``fx.Interpreter`` runs the global graph on local tensors, node by node, and
+``make_fx`` records what it does. For each node, with strategy ``s``:
+
+    1. each tensor input arrives with its producer's output placement ``p`` and is
+       redistributed to ``s.ins[j]`` (``_redistribute``: DTensor's ``redistribute_local_tensor``,
+       which emits one functional collective per mesh axis that changes);
+    2. the op runs through DTensor on the redistributed inputs (``_run_op``): DTensor's own
+       dispatch turns global shape arguments (view sizes, expand sizes, factory sizes) into
+       local ones, and runs the local kernel. Its output placement is checked against
+       ``s.out``; a mismatch is redistributed and counted (``mismatches``);
+    3. ops without a rule, and ops without tensor inputs, run on replicated (whole) tensors.
+
+At the graph outputs the loss is redistributed to Replicate, each gradient to its
+parameter's placement. Nothing is done when the plan replicates everything (the local graph
+is then the global graph, plus nothing).
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._redistribute import redistribute_local_tensor
+from torch.utils._pytree import tree_flatten, tree_map
+
+from .strategies import local_shape, parse_placement
+from .trace import StepGraph
+
+__all__ = ["LocalStep", "build_local_graph", "compile_local_step", "count_collectives"]
+
+
+@dataclass
+class LocalStep:
+    """The local joint graph and how it was made.
+
+    Attributes:
+        gm: the local joint graph (placeholders in the global graph's order).
+        mismatches: nodes whose op, run through DTensor, came out with another placement
+            than planned (redistributed to the plan's; each costs an extra collective).
+    """
+
+    gm: torch.fx.GraphModule
+    mismatches: list[str] = field(default_factory=list)
+
+
+def _contig(shape) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(stride))
+
+
+def _spec(dmesh, placements, val) -> DTensorSpec:
+    return DTensorSpec(
+        dmesh,
+        tuple(placements),
+        tensor_meta=TensorMeta(val.shape, _contig(val.shape), val.dtype),
+    )
+
+
+class _Localizer(torch.fx.Interpreter):
+    def __init__(self, step: StepGraph, plan, dmesh):
+        super().__init__(step.gm, garbage_collect_values=True)
+        self.plan = plan
+        self.dmesh = dmesh
+        self.placed: dict[str, tuple] = {}
+        self.mismatches: list[str] = []
+        self.rep = (Replicate(),) * dmesh.ndim
+        self.param_nodes = {n: name for name, n in plan.params.items()}
+
+    def _choice(self, name):
+        return self.plan.nodes[name]
+
+    def _ps(self, texts):
+        return tuple(parse_placement(t) for t in texts)
+
+    def _redistribute(self, t, src_ps, dst_ps, val):
+        if src_ps == dst_ps or not isinstance(t, torch.Tensor):
+            return t
+        return redistribute_local_tensor(
+            t.contiguous(), _spec(self.dmesh, src_ps, val), _spec(self.dmesh, dst_ps, val)
+        )
+
+    def run_node(self, n):
+        self._node = n
+        return super().run_node(n)
+
+    def placeholder(self, target, args, kwargs):
+        out = super().placeholder(target, args, kwargs)
+        self.placed[self._node.name] = (self._ps(self._choice(self._node.name).out[0]),)
+        return out
+
+    def call_function(self, target, args, kwargs):
+        node = self._node
+        choice = self._choice(node.name)
+        out_ps = tuple(None if o is None else self._ps(o) for o in choice.out)
+        self.placed[node.name] = out_ps
+        if target is operator.getitem:
+            src, idx = node.args
+            t = args[0][idx]
+            src_ps = self.placed[src.name][idx]
+            return self._redistribute(t, src_ps, self._ps(choice.ins[0]), node.meta["val"])
+
+        flat_nodes, _ = tree_flatten((node.args, node.kwargs))
+        in_nodes = [a for a in flat_nodes if isinstance(a, torch.fx.Node)]
+        flat_vals, spec = tree_flatten((args, kwargs))
+        j = 0
+        dst_all = []
+        new_vals = []
+        for a, v in zip(flat_nodes, flat_vals):
+            if isinstance(a, torch.fx.Node):
+                dst = self._ps(choice.ins[j])
+                src_ps = self.placed[a.name][0]
+                new_vals.append(self._redistribute(v, src_ps, dst, a.meta["val"]))
+                dst_all.append((dst, a.meta["val"]))
+                j += 1
+            else:
+                new_vals.append(v)
+        args, kwargs = spec.unflatten(new_vals)
+        if not in_nodes or node.name in self.plan.fallback_nodes:
+            return target(*args, **kwargs)
+        return self._run_op(node, target, args, kwargs, in_nodes, dst_all, out_ps)
+
+    def _run_op(self, node, target, args, kwargs, in_nodes, dst_all, out_ps):
+        it = iter(dst_all)
+
+        def wrap(v):
+            if isinstance(v, torch.Tensor):
+                ps, val = next(it)
+                return DTensor.from_local(
+                    v, self.dmesh, ps, run_check=False, shape=val.shape, stride=_contig(val.shape)
+                )
+            return v
+
+        dargs, dkwargs = tree_map(wrap, (args, kwargs))
+        out = target(*dargs, **dkwargs)
+        vals = node.meta["val"]
+        outs = list(out) if isinstance(out, (tuple, list)) else [out]
+        metas = list(vals) if isinstance(vals, (tuple, list)) else [vals]
+        local = []
+        for o, want, meta in zip(outs, out_ps, metas):
+            if isinstance(o, DTensor):
+                got = tuple(o.placements)
+                t = o.to_local()
+                if want is not None and got != want:
+                    self.mismatches.append(f"{node.name}: {got} vs planned {want}")
+                    t = self._redistribute(t, got, want, meta)
+                local.append(t)
+            else:
+                local.append(o)
+        if isinstance(out, (tuple, list)):
+            return type(out)(local) if isinstance(out, tuple) else local
+        return local[0]
+
+    def output(self, target, args, kwargs):
+        (outs,) = args
+        node = self._node
+        new = []
+        for pos, (a, v) in enumerate(zip(node.args[0], outs)):
+            if not isinstance(a, torch.fx.Node) or not isinstance(v, torch.Tensor):
+                new.append(v)
+                continue
+            src_ps = self.placed[a.name][0]
+            want = self.plan.output_placements[pos]
+            new.append(self._redistribute(v, src_ps, self._ps(want), a.meta["val"]))
+        return type(outs)(new) if isinstance(outs, tuple) else new
+
+
+def build_local_graph(step: StepGraph, plan, dmesh) -> LocalStep:
+    """Trace the local step graph of ``plan`` on ``dmesh`` (see the module docstring)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    interp = _Localizer(step, plan, dmesh)
+    local_args = []
+    for n in step.placeholders():
+        val = n.meta["val"]
+        ps = tuple(parse_placement(t) for t in plan.nodes[n.name].out[0])
+        shape = local_shape(tuple(val.shape), ps, dmesh.shape)
+        local_args.append(torch.empty(shape, dtype=val.dtype, device=val.device))
+    import torch.fx.traceback as fx_traceback
+
+    with fx_traceback.preserve_node_meta():
+        gm = make_fx(interp.run)(*local_args)
+    gm.graph.eliminate_dead_code()
+    # placeholders keep the global graph's names and descriptors: aot_autograd's partitioner
+    # finds tangents by name
+    old = [n for n in step.gm.graph.nodes if n.op in ("placeholder", "output")]
+    new = [n for n in gm.graph.nodes if n.op in ("placeholder", "output")]
+    for a, b in zip(old, new):
+        if "desc" in a.meta:
+            b.meta["desc"] = a.meta["desc"]
+        if b.op == "placeholder":
+            with gm.graph.inserting_before(b):
+                p = gm.graph.placeholder(a.name)
+            p.meta.update(b.meta)
+            b.replace_all_uses_with(p)
+            gm.graph.erase_node(b)
+    gm.graph.lint()
+    gm.recompile()
+    return LocalStep(gm=gm, mismatches=interp.mismatches)
+
+
+def compile_local_step(step: StepGraph, local: LocalStep):
+    """Swap the local graph into aot_autograd's joint and compile forward and backward."""
+    from torch._functorch.aot_autograd import aot_compile_joint_with_descriptors
+
+    jd = step.joint
+    gm = local.gm
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    new_args = [n.meta["val"] for n in placeholders]
+    jd.graph_module = gm
+    jd._aot_graph_capture.graph_module = gm
+    flat = []
+    for orig, new in zip(jd._aot_state.flat_args, new_args):
+        flat.append(torch.nn.Parameter(new) if isinstance(orig, torch.nn.Parameter) else new)
+    tangents = new_args[len(jd._aot_state.flat_args) :]
+    jd._aot_graph_capture.updated_flat_args = (flat, tangents)
+    jd._aot_state.flat_args = flat
+    jd._aot_state.fw_metadata.traced_tangents = tangents
+    return aot_compile_joint_with_descriptors(jd)
+
+
+_COLLECTIVES = {
+    "all_reduce": "all_reduce",
+    "all_gather_into_tensor": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "all_to_all_single": "all_to_all",
+}
+
+
+def count_collectives(gm: torch.fx.GraphModule, dmesh) -> dict[tuple[str, str], int]:
+    """``{(kind, axis name): count}`` of the functional collectives in ``gm``."""
+    group_axis = {}
+    names = dmesh.mesh_dim_names or tuple(f"axis{i}" for i in range(dmesh.ndim))
+    for i, name in enumerate(names):
+        group_axis[dmesh.get_group(i).group_name] = name
+    counts: dict[tuple[str, str], int] = {}
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
+            continue
+        if n.target.namespace != "_c10d_functional":
+            continue
+        kind = _COLLECTIVES.get(n.target._opname)
+        if kind is None:
+            continue
+        group = n.args[-1]
+        key = (kind, group_axis.get(group, str(group)))
+        counts[key] = counts.get(key, 0) + 1
+    return dict(sorted(counts.items()))

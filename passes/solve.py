@@ -1,0 +1,324 @@
+"""Choose one strategy per node: an integer linear program over the strategy space.
+
+Takes: a ``StrategySpace`` (passes/strategies) and the device profile of its mesh.
+Returns: a ``Solution``: the chosen strategy of every node, the predicted collectives, the
+cost breakdown and the solver's statistics. Only this pass imports the cost models.
+
+The ILP (Alpa's intra-operator formulation):
+
+    variables
+        x[v,k] in {0,1}        node v takes its k-th strategy              (``_add_nodes``)
+        e[u,p,v,q] in [0,1]    edge u->v carries placement p at u's output
+                               and placement q at v's input                (``_add_edges``)
+    constraints
+        sum_k x[v,k] = 1                                 one strategy per node
+        sum_q e[u,p,v,q] = Y[u,p] := sum_{k: out_k = p} x[u,k]         (``_out_group``)
+        sum_p e[u,p,v,q] = Z[v,q] := sum_{k: in_k  = q} x[v,k]         (``_in_group``)
+        e[u,p,v,q] = 0          when DTensor cannot go from p to q (e.g. Shard -> Partial)
+        Z[a,q] = Z[b,q]         for tied nodes (inputs and outputs of a model without a loss)
+        sum_{params v,k} 4 * bytes(v, k) x[v,k] <= budget   (optional ``memory_budget``:
+                               parameter, gradient and two AdamW moments per rank)
+    objective (seconds)
+        min  sum_{v,k} C[v,k] x[v,k]  +  sum_{edges} R(p, q) e[u,p,v,q]
+
+``C[v,k]`` is the roofline time of node v's op on the local shapes of strategy k
+(``cost_models.compute.compute_time``, in ``_node_costs``); ``R(p, q)`` the alpha-beta time of
+the collectives that redistribute the tensor from p to q
+(``cost_models.comm.redistribute_time``, in ``_edge_cost``). Graph outputs are edges into
+fixed or tied placements (``Sink``): the loss into Replicate on every axis, a gradient into
+its parameter's placement. Since x is one-hot, the margins of each edge's e are one-hot, which
+forces e to the single pair (p, q) chosen, so e needs no integrality.
+
+Solved with HiGHS through OR-Tools' ``pywraplp`` (single thread: deterministic). Ties in the
+objective are broken towards the earlier strategy by a tiny (1e-6 relative) preference, so
+that the same problem gives the same plan.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+from autopar.cost_models import (
+    Collective,
+    collectives_time,
+    compute_time,
+    get_profile,
+    redistribute_collectives,
+    redistribute_time,
+)
+from torch.distributed.tensor import Replicate
+from torch.utils._pytree import tree_map
+
+from .strategies import Strategy, StrategySpace, TensorInput, local_shape
+
+__all__ = ["Solution", "SolveError", "solve"]
+
+
+class SolveError(RuntimeError):
+    """The ILP has no solution or the solver failed."""
+
+
+@dataclass
+class Solution:
+    """The chosen strategy per node and what it costs.
+
+    Attributes:
+        choice: node name -> index into ``space.strategies[node]``.
+        objective_s: the ILP objective (seconds of one step, compute + communication).
+        compute_s / comm_s: its two parts.
+        collectives: (edge text, Collective, seconds) for every collective the plan runs.
+        stats: solver statistics (variables, constraints, status, seconds).
+    """
+
+    choice: dict[str, int]
+    objective_s: float
+    compute_s: float
+    comm_s: float
+    collectives: list[tuple[str, Collective, float]] = field(default_factory=list)
+    node_cost_s: dict[str, float] = field(default_factory=dict)
+    stats: dict = field(default_factory=dict)
+
+
+STATE_COPIES = 4  # parameter + gradient + AdamW exp_avg + exp_avg_sq
+_SCALE = 1e6  # seconds -> microseconds inside the ILP, to keep coefficients well scaled
+
+
+def _node_costs(space: StrategySpace, name: str, profile) -> list[float]:
+    target = space.targets[name]
+    strats = space.strategies[name]
+    if target == "placeholder" or not isinstance(target, torch._ops.OpOverload):
+        return [0.0] * len(strats)
+    args, kwargs = space.calls[name]
+    in_shapes = [space.shapes[src][src_out] for src, src_out in _in_sources(space, name)]
+    outs = space.shapes[name]
+    dtype = next((sd[1] for sd in outs if sd is not None), torch.float32)
+    mesh_shape = space.mesh.shape
+    cache: dict = {}
+    costs = []
+    for s in strats:
+        key = (s.ins, s.out)
+        if key in cache:
+            costs.append(cache[key])
+            continue
+
+        def local(a, s=s):
+            if isinstance(a, TensorInput):
+                sd = in_shapes[a.index]
+                return torch.Size(local_shape(sd[0], s.ins[a.index], mesh_shape))
+            return a
+
+        largs = tree_map(local, args)
+        lkwargs = tree_map(local, kwargs)
+        lout = [
+            None if sd is None or ps is None else torch.Size(local_shape(sd[0], ps, mesh_shape))
+            for sd, ps in zip(outs, s.out)
+        ]
+        out = lout[0] if len(lout) == 1 else tuple(lout)
+        try:
+            c = compute_time(profile, target, largs, lkwargs, out, dtype)
+        except Exception:  # noqa: BLE001 - a formula that cannot price it: price by bytes
+            c = compute_time(profile, torch.ops.aten.add.Tensor, (), {}, out if out else (), dtype)
+        cache[key] = c
+        costs.append(c)
+    return costs
+
+
+def _in_sources(space: StrategySpace, name: str) -> list[tuple[str, int]]:
+    return space._in_sources[name]  # type: ignore[attr-defined]
+
+
+def _edge_cost(src_ps, dst_ps, shape_dtype, mesh, profile) -> float | None:
+    if src_ps == dst_ps:
+        return 0.0
+    try:
+        return redistribute_time(src_ps, dst_ps, shape_dtype[0], shape_dtype[1], mesh, profile)
+    except ValueError:
+        return None
+
+
+def _index_edges(space: StrategySpace) -> None:
+    ins = defaultdict(list)
+    for e in space.edges:
+        ins[e.dst].append((e.dst_in, e.src, e.src_out))
+    space._in_sources = {  # type: ignore[attr-defined]
+        n: [(src, so) for _, src, so in sorted(v)] for n, v in ins.items()
+    }
+    for n in space.order:
+        space._in_sources.setdefault(n, [])  # type: ignore[attr-defined]
+
+
+def solve(
+    space: StrategySpace,
+    *,
+    time_limit_s: float = 120.0,
+    solver: str = "HIGHS",
+    memory_budget: float | None = None,
+) -> Solution:
+    """Solve the ILP of the module docstring for ``space``.
+
+    ``memory_budget``: bytes per rank for parameter state (the parameter, its gradient and
+    two AdamW moments: ``STATE_COPIES`` times the local parameter bytes).
+    """
+    from ortools.linear_solver import pywraplp
+
+    t0 = time.perf_counter()
+    profile = get_profile(space.mesh.device)
+    mesh = space.mesh
+    _index_edges(space)
+    lp = pywraplp.Solver.CreateSolver(solver)
+    if lp is None:
+        raise SolveError(f"OR-Tools has no {solver} solver in this build")
+    lp.SetNumThreads(1)
+    lp.SuppressOutput()
+
+    x: dict[str, list] = {}
+    node_cost: dict[str, list[float]] = {}
+    objective = lp.Objective()
+    for name in space.order:
+        strats = space.strategies[name]
+        if not strats:
+            raise SolveError(f"node {name} has no strategy")
+        vs = [lp.BoolVar(f"x_{name}_{k}") for k in range(len(strats))]
+        lp.Add(sum(vs) == 1)
+        x[name] = vs
+        costs = _node_costs(space, name, profile)
+        node_cost[name] = costs
+        n = len(strats)
+        for k, (v, c) in enumerate(zip(vs, costs)):
+            # tie-break: prefer earlier strategies by a hair
+            objective.SetCoefficient(v, c * _SCALE + 1e-9 * k / max(n, 1))
+    t_nodes = time.perf_counter()
+
+    def out_group(name: str, idx: int) -> dict:
+        g = defaultdict(list)
+        for k, s in enumerate(space.strategies[name]):
+            if s.out[idx] is not None:
+                g[s.out[idx]].append(x[name][k])
+        return g
+
+    def in_group(name: str, j: int) -> dict:
+        g = defaultdict(list)
+        for k, s in enumerate(space.strategies[name]):
+            g[s.ins[j]].append(x[name][k])
+        return g
+
+    edge_vars: list[tuple[str, object, object, object, float, tuple]] = []
+    n_edge_vars = 0
+
+    def add_edge(label, src, src_out, dst_groups: dict):
+        nonlocal n_edge_vars
+        shape_dtype = space.shapes[src][src_out]
+        src_groups = out_group(src, src_out)
+        pair_vars_p = defaultdict(list)
+        pair_vars_q = defaultdict(list)
+        for p in src_groups:
+            for q in dst_groups:
+                c = _edge_cost(p, q, shape_dtype, mesh, profile)
+                if c is None:
+                    continue
+                ev = lp.NumVar(0.0, 1.0, "")
+                n_edge_vars += 1
+                pair_vars_p[p].append(ev)
+                pair_vars_q[q].append(ev)
+                if c > 0:
+                    objective.SetCoefficient(ev, c * _SCALE)
+                    edge_vars.append((label, ev, p, q, c, shape_dtype))
+        for p, xs in src_groups.items():
+            lp.Add(sum(pair_vars_p[p]) == sum(xs))
+        for q, xs in dst_groups.items():
+            lp.Add(sum(pair_vars_q[q]) == sum(xs))
+
+    for e in space.edges:
+        add_edge(f"{e.src}->{e.dst}", e.src, e.src_out, in_group(e.dst, e.dst_in))
+    rep = (Replicate(),) * mesh.ndim
+    for sink in space.sinks:
+        if sink.like is None:
+            groups = {rep: []}
+            label = f"{sink.src}->output[{sink.position}]"
+        else:
+            groups = out_group(sink.like, 0)
+            label = f"{sink.src}->output[{sink.position}] (as {sink.like})"
+        if sink.like is None:
+            # a fixed target: the pair variables must sum to 1 on the Replicate side
+            shape_dtype = space.shapes[sink.src][sink.src_out]
+            src_groups = out_group(sink.src, sink.src_out)
+            for p, xs in src_groups.items():
+                c = _edge_cost(p, rep, shape_dtype, mesh, profile)
+                if c is None:
+                    lp.Add(sum(xs) == 0)
+                elif c > 0:
+                    for v in xs:
+                        objective.SetCoefficient(v, objective.GetCoefficient(v) + c * _SCALE)
+                    edge_vars.append((label, xs, p, rep, c, shape_dtype))
+            continue
+        add_edge(label, sink.src, sink.src_out, groups)
+    for a, b in space.ties:
+        ga, gb = out_group(a, 0), out_group(b, 0)
+        for q in set(ga) | set(gb):
+            lp.Add(sum(ga.get(q, [])) == sum(gb.get(q, [])))
+    if memory_budget is not None:
+        terms = []
+        for name in space.order:
+            if space.roles[name] != "param":
+                continue
+            (shape, dtype) = space.shapes[name][0]
+            for k, st in enumerate(space.strategies[name]):
+                nbytes = math.prod(local_shape(shape, st.out[0], mesh.shape)) * dtype.itemsize
+                terms.append(STATE_COPIES * nbytes * x[name][k])
+        lp.Add(sum(terms) <= float(memory_budget))
+    objective.SetMinimization()
+    t_built = time.perf_counter()
+    lp.SetTimeLimit(int(time_limit_s * 1000))
+    status = lp.Solve()
+    t_solved = time.perf_counter()
+    if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
+        hint = (
+            f" within the memory budget of {memory_budget / 2**20:.1f} MiB per rank: raise it "
+            "or use a larger mesh"
+            if memory_budget is not None
+            else ": some node has no strategy compatible with its neighbours"
+        )
+        raise SolveError(f"the sharding ILP has no solution (status {status}){hint}")
+
+    choice = {}
+    for name, vs in x.items():
+        vals = [v.solution_value() for v in vs]
+        choice[name] = max(range(len(vals)), key=lambda k: vals[k])
+    compute_s = sum(node_cost[n][k] for n, k in choice.items())
+    collectives: list[tuple[str, Collective, float]] = []
+    comm_s = 0.0
+    for label, ev, p, q, c, shape_dtype in edge_vars:
+        val = sum(v.solution_value() for v in ev) if isinstance(ev, list) else ev.solution_value()
+        if val > 0.5:
+            comm_s += c
+            for coll in redistribute_collectives(p, q, shape_dtype[0], shape_dtype[1], mesh.shape):
+                collectives.append((label, coll, collectives_time([coll], mesh, profile)))
+    stats = {
+        "solver": solver,
+        "status": "optimal" if status == pywraplp.Solver.OPTIMAL else "feasible",
+        "nodes": len(space.order),
+        "strategies": space.n_strategies(),
+        "edge_variables": n_edge_vars,
+        "variables": lp.NumVariables(),
+        "constraints": lp.NumConstraints(),
+        "cost_s": round(t_nodes - t0, 6),
+        "build_s": round(t_built - t_nodes, 6),
+        "solve_s": round(t_solved - t_built, 6),
+    }
+    return Solution(
+        choice=choice,
+        objective_s=compute_s + comm_s,
+        compute_s=compute_s,
+        comm_s=comm_s,
+        collectives=collectives,
+        node_cost_s={n: node_cost[n][k] for n, k in choice.items()},
+        stats=stats,
+    )
+
+
+def chosen(space: StrategySpace, sol: Solution, name: str) -> Strategy:
+    return space.strategies[name][sol.choice[name]]

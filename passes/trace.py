@@ -1,0 +1,274 @@
+"""Trace one training step into a joint forward+backward ATen graph.
+
+Takes: an ``nn.Module``, example inputs (real, meta or fake tensors), optionally a loss
+function and example targets. Returns: a ``StepGraph`` whose ``gm`` is the joint graph that
+aot_autograd builds for
+
+    step(params, buffers, inputs, targets) = loss_fn(model(*inputs), *targets)
+
+(or the model outputs when there is no loss function), with the gradient of every
+parameter among its outputs and one tangent input per differentiable output.
+
+Route: ``torch.export.export(strict=False)`` of a wrapper module that calls the model and the
+loss, then ``aot_export_joint_with_descriptors`` on the exported module. The descriptors on
+placeholders and outputs (``ParamAOTInput``, ``PlainAOTInput``, ``TangentAOTInput``,
+``GradAOTOutput``) give every graph input and output its role.
+
+Node meta written here (read by later passes):
+    ``autopar_role``   "param" | "buffer" | "input" | "target" | "tangent" for placeholders,
+                       "forward" | "backward" for operators.
+    ``autopar_module`` the module path of the original model the node came from
+                       (backward nodes inherit their forward node's path), "" at the top.
+
+The export needs an open ``contextlib.ExitStack`` (aot_autograd's fake mode and tracing
+context live in it): compile the graph before the stack closes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+__all__ = ["StepGraph", "TraceError", "trace_step"]
+
+_PREFIX = "model."
+
+
+class TraceError(RuntimeError):
+    """The model could not be traced; the message says what failed and where."""
+
+
+class _Step(nn.Module):
+    """``forward(*inputs, *targets) = loss_fn(model(*inputs), *targets)``."""
+
+    def __init__(self, model: nn.Module, loss_fn, n_inputs: int):
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+        self.n_inputs = n_inputs
+
+    def forward(self, *args):
+        out = self.model(*args[: self.n_inputs])
+        if self.loss_fn is None:
+            return out
+        return self.loss_fn(out, *args[self.n_inputs :])
+
+
+@dataclass
+class StepGraph:
+    """The joint graph of one training step and what its inputs and outputs are.
+
+    Attributes:
+        gm: the joint forward+backward graph; placeholders are params, buffers, inputs,
+            targets, tangents in that order.
+        joint: aot_autograd's ``JointWithDescriptors`` (needed to compile ``gm``).
+        param_names: original model parameter names, in placeholder order.
+        buffer_names: original model buffer names, in placeholder order.
+        n_inputs / n_targets: how many user inputs and targets the step takes.
+        has_loss: the step returns a scalar loss (else the model outputs).
+        n_outputs: how many plain (non-gradient) outputs the step returns.
+        grad_of: output position -> parameter name whose gradient it is.
+        trace_s: seconds spent tracing.
+    """
+
+    gm: torch.fx.GraphModule
+    joint: object
+    param_names: list[str]
+    buffer_names: list[str]
+    n_inputs: int
+    n_targets: int
+    has_loss: bool
+    n_outputs: int
+    grad_of: dict[int, str] = field(default_factory=dict)
+    trace_s: float = 0.0
+
+    def placeholders(self) -> list[torch.fx.Node]:
+        return list(self.gm.graph.find_nodes(op="placeholder"))
+
+    def output_node(self) -> torch.fx.Node:
+        return next(iter(self.gm.graph.find_nodes(op="output")))
+
+    def fingerprint(self) -> str:
+        """A hash of the graph's structure: ops, shapes, dtypes and edges, in order."""
+        import hashlib
+
+        h = hashlib.sha256()
+        for n in self.gm.graph.nodes:
+            v = n.meta.get("val")
+            shape = tuple(v.shape) if isinstance(v, torch.Tensor) else None
+            args = [a.name if isinstance(a, torch.fx.Node) else repr(a) for a in n.args]
+            h.update(f"{n.op}|{n.name}|{n.target}|{shape}|{args}\n".encode())
+        return h.hexdigest()[:16]
+
+
+def _strip(name: str) -> str:
+    return name[len(_PREFIX) :] if name.startswith(_PREFIX) else name
+
+
+def _module_path(node: torch.fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    if path == "model":
+        return ""
+    return _strip(path)
+
+
+def _failing_module(model: nn.Module, args) -> str:
+    """Run the model eagerly with forward hooks to find the innermost module that raises."""
+    failing: list[str] = []
+    names = {m: n for n, m in model.named_modules()}
+    hooks = []
+
+    def pre(mod, _inputs):
+        failing.append(names.get(mod, "?"))
+
+    def post(mod, _inputs, _out):
+        failing.pop()
+
+    for m in model.modules():
+        hooks.append(m.register_forward_pre_hook(pre))
+        hooks.append(m.register_forward_hook(post))
+    try:
+        with torch.no_grad():
+            model(*args)
+    except Exception:
+        return failing[-1] if failing else ""
+    finally:
+        for h in hooks:
+            h.remove()
+    return ""
+
+
+def _check_inputs(model, example_inputs, loss_fn, example_targets):
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"autopar traces an nn.Module, got {type(model).__name__}")
+    if example_inputs is None or (isinstance(example_inputs, (tuple, list)) and not example_inputs):
+        raise ValueError(
+            "example_inputs are missing: pass a tuple of tensors shaped like one global batch, "
+            "e.g. example_inputs=(tokens,) (meta tensors work for planning)"
+        )
+    if isinstance(example_inputs, torch.Tensor):
+        example_inputs = (example_inputs,)
+    example_inputs = tuple(example_inputs)
+    targets = () if example_targets is None else example_targets
+    if isinstance(targets, torch.Tensor):
+        targets = (targets,)
+    targets = tuple(targets)
+    for i, t in enumerate(example_inputs + targets):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(
+                f"example input {i} is a {type(t).__name__}; autopar takes tensors only"
+            )
+    return example_inputs, targets
+
+
+def trace_step(
+    model: nn.Module,
+    example_inputs,
+    *,
+    loss_fn=None,
+    example_targets=None,
+    stack: contextlib.ExitStack,
+) -> StepGraph:
+    """Trace ``loss_fn(model(*example_inputs), *example_targets)`` into a joint graph."""
+    from torch._functorch._aot_autograd.descriptors import (
+        BufferAOTInput,
+        GradAOTOutput,
+        ParamAOTInput,
+        PlainAOTInput,
+        PlainAOTOutput,
+        TangentAOTInput,
+    )
+    from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+
+    inputs, targets = _check_inputs(model, example_inputs, loss_fn, example_targets)
+    step = _Step(model, loss_fn, len(inputs))
+    args = inputs + targets
+    t0 = time.perf_counter()
+    try:
+        ep = torch.export.export(step, args, strict=False)
+    except Exception as e:  # noqa: BLE001 - rewrap with the module that failed
+        where = _failing_module(model, inputs) if not any(t.is_meta for t in args) else ""
+        where_txt = f" in module '{where}'" if where else ""
+        raise TraceError(
+            f"torch.export could not trace {type(model).__name__}{where_txt}: "
+            f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}\n"
+            "autopar needs a model torch.export can trace (no data-dependent Python control "
+            "flow, no unsupported ops); see the torch.export docs for the usual rewrites."
+        ) from e
+    try:
+        joint = aot_export_joint_with_descriptors(
+            stack, ep.module(), args, _record_nn_module_stack=True
+        )
+    except Exception as e:  # noqa: BLE001
+        raise TraceError(
+            f"aot_autograd could not build the joint graph of {type(model).__name__}: "
+            f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+        ) from e
+    gm = joint.graph_module
+    trace_s = time.perf_counter() - t0
+
+    param_names, buffer_names = [], []
+    seq_module: dict[int, str] = {}
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            desc = n.meta.get("desc")
+            if isinstance(desc, ParamAOTInput):
+                role = "param"
+                param_names.append(_strip(desc.target))
+            elif isinstance(desc, BufferAOTInput):
+                role = "buffer"
+                buffer_names.append(_strip(desc.target))
+            elif isinstance(desc, PlainAOTInput):
+                role = "input" if desc.idx < len(inputs) else "target"
+            elif isinstance(desc, TangentAOTInput):
+                role = "tangent"
+            else:
+                raise TraceError(f"unexpected graph input {n.name} ({desc!r})")
+            n.meta["autopar_role"] = role
+            n.meta["autopar_module"] = ""
+        elif n.op == "call_function":
+            n.meta["autopar_role"] = (
+                "backward" if n.meta.get("partitioner_tag") == "is_backward" else "forward"
+            )
+            path = _module_path(n)
+            seq = n.meta.get("seq_nr")
+            if n.meta["autopar_role"] == "forward" and seq is not None:
+                seq_module.setdefault(seq, path)
+            elif not path and seq is not None:
+                path = seq_module.get(seq, "")
+            n.meta["autopar_module"] = path
+
+    out = next(iter(gm.graph.find_nodes(op="output")))
+    grad_of: dict[int, str] = {}
+    n_outputs = 0
+    for i, desc in enumerate(out.meta.get("desc", [])):
+        if isinstance(desc, GradAOTOutput) and isinstance(desc.grad_of, ParamAOTInput):
+            grad_of[i] = _strip(desc.grad_of.target)
+        elif isinstance(desc, PlainAOTOutput):
+            n_outputs += 1
+    if loss_fn is not None:
+        val = out.args[0][0].meta.get("val") if out.args[0] else None
+        if not isinstance(val, torch.Tensor) or val.numel() != 1:
+            raise TraceError(
+                f"loss_fn must return a scalar tensor, got "
+                f"{tuple(val.shape) if isinstance(val, torch.Tensor) else type(val).__name__}"
+            )
+    return StepGraph(
+        gm=gm,
+        joint=joint,
+        param_names=param_names,
+        buffer_names=buffer_names,
+        n_inputs=len(inputs),
+        n_targets=len(targets),
+        has_loss=loss_fn is not None,
+        n_outputs=n_outputs,
+        grad_of=grad_of,
+        trace_s=trace_s,
+    )

@@ -1,0 +1,74 @@
+"""Run a function on N local processes joined in a gloo process group.
+
+``run_local(fn, world_size, *args)`` spawns ``world_size`` processes on this machine, each
+initialises ``torch.distributed`` with gloo on 127.0.0.1 at a free port, calls
+``fn(rank, world_size, *args)``, and sends its return value back; the parent returns the
+list of results in rank order, or raises with the failing rank's traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import torch.multiprocessing as mp
+
+__all__ = ["free_port", "run_local"]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, fn, args, queue):
+    import torch
+    import torch.distributed as dist
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        result = fn(rank, world_size, *args)
+        queue.put((rank, True, result))
+    except BaseException:  # noqa: BLE001 - report every failure to the parent
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_local(fn, world_size: int, *args, timeout_s: float = 900.0):
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue), daemon=False)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, object] = {}
+    errors: dict[int, str] = {}
+    try:
+        for _ in range(world_size):
+            rank, ok, value = queue.get(timeout=timeout_s)
+            (results if ok else errors)[rank] = value
+            if errors:
+                break
+    finally:
+        for p in procs:
+            if errors:
+                p.terminate()
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        rank = min(errors)
+        raise RuntimeError(f"rank {rank} of {world_size} failed:\n{errors[rank]}")
+    return [results[r] for r in range(world_size)]

@@ -1,0 +1,144 @@
+"""``ParallelModule``: the compiled local step, holding this rank's parameter shards.
+
+The shards are ordinary ``nn.Parameter``s (any torch optimizer works on them). Calling the
+module runs the compiled local joint graph (forward now, backward when ``loss.backward()``
+is called), with the collectives the plan chose. It never re-plans.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+__all__ = ["ParallelModule"]
+
+
+def _key(name: str) -> str:
+    return name.replace(".", "__")
+
+
+def _contig(shape) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(stride))
+
+
+class ParallelModule(nn.Module):
+    """One rank's part of a model planned and compiled by ``autopar.compile``.
+
+    ``parameters()`` yields the local shards, ``named_parameters()`` names them like the
+    original model with ``.`` written ``__``. ``gather_grads()`` and ``state_dict()`` return
+    full tensors keyed by the original names.
+    """
+
+    def __init__(self, model: nn.Module, plan, device_mesh, compiled_fn, step, local):
+        super().__init__()
+        self.plan = plan
+        self.device_mesh = device_mesh
+        self._fn = compiled_fn
+        self._local_gm = local.gm
+        self.mismatches = list(local.mismatches)
+        self._param_names = list(step.param_names)
+        self._buffer_names = list(step.buffer_names)
+        self._n_args = step.n_inputs + (step.n_targets if step.has_loss else 0)
+        self._global_shapes: dict[str, torch.Size] = {}
+        placements = plan.param_placements
+        named = dict(model.named_parameters(remove_duplicate=False))
+        named_buffers = dict(model.named_buffers(remove_duplicate=False))
+        for name in self._param_names:
+            full = named[name].detach()
+            self._global_shapes[name] = full.shape
+            local = distribute_tensor(full, device_mesh, placements[name], src_data_rank=None)
+            self.register_parameter(_key(name), nn.Parameter(local.to_local().clone()))
+        for name in self._buffer_names:
+            node = plan.buffers[name]
+            from autopar.passes.strategies import parse_placement
+
+            ps = tuple(parse_placement(p) for p in plan.nodes[node].out[0])
+            full = named_buffers[name].detach()
+            local = distribute_tensor(full, device_mesh, ps, src_data_rank=None)
+            self.register_buffer(_key(name), local.to_local().clone())
+        self._input_placements = plan.input_placements
+        self._input_shapes = [
+            tuple(n.meta["val"].shape)
+            for n in step.placeholders()
+            if n.meta["autopar_role"] in ("input", "target")
+        ]
+
+    # -- running -------------------------------------------------------------------------
+
+    def forward(self, *args):
+        if len(args) != self._n_args:
+            what = "inputs and targets" if self.plan.has_loss else "inputs"
+            raise TypeError(
+                f"this ParallelModule takes {self._n_args} local {what}, got {len(args)}"
+            )
+        for i, (a, ps) in enumerate(zip(args, self._input_placements)):
+            want = self._local_input_shape(i)
+            if tuple(a.shape) != want:
+                raise ValueError(
+                    f"argument {i} has shape {tuple(a.shape)}, but this rank's part is {want} "
+                    f"(placements {ps}); pass pm.shard_inputs(*global_tensors)"
+                )
+        params = [getattr(self, _key(n)) for n in self._param_names]
+        buffers = [getattr(self, _key(n)) for n in self._buffer_names]
+        return self._fn(*params, *buffers, *args)
+
+    def _local_input_shape(self, i: int) -> tuple[int, ...]:
+        from autopar.passes.strategies import local_shape
+
+        mesh_shape = tuple(self.device_mesh.shape)
+        return local_shape(self._input_shapes[i], self._input_placements[i], mesh_shape)
+
+    def shard_inputs(self, *global_tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """This rank's local part of each global input (then target), as the plan places it."""
+        if len(global_tensors) != len(self._input_placements):
+            raise TypeError(
+                f"expected {len(self._input_placements)} global tensors, got {len(global_tensors)}"
+            )
+        return tuple(
+            distribute_tensor(t, self.device_mesh, ps, src_data_rank=None).to_local()
+            for t, ps in zip(global_tensors, self._input_placements)
+        )
+
+    # -- full tensors --------------------------------------------------------------------
+
+    def _full(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        shape = self._global_shapes[name]
+        d = DTensor.from_local(
+            local,
+            self.device_mesh,
+            self.plan.param_placements[name],
+            run_check=False,
+            shape=shape,
+            stride=_contig(shape),
+        )
+        return d.full_tensor()
+
+    def gather_grads(self) -> dict[str, torch.Tensor]:
+        """``{original parameter name: full gradient}`` (None where there is no gradient)."""
+        out = {}
+        for name in self._param_names:
+            p = getattr(self, _key(name))
+            out[name] = None if p.grad is None else self._full(name, p.grad.detach())
+        return out
+
+    def state_dict(self, *args, **kwargs) -> OrderedDict:  # noqa: ARG002
+        """Full parameters (and buffers) keyed by the original model's names."""
+        out = OrderedDict()
+        for name in self._param_names:
+            out[name] = self._full(name, getattr(self, _key(name)).detach())
+        for name in self._buffer_names:
+            out[name] = getattr(self, _key(name)).detach().clone()
+        return out
+
+    def collective_counts(self) -> dict[tuple[str, str], int]:
+        """``{(kind, axis name): count}`` of the collectives in the compiled step graph."""
+        from autopar.passes.codegen import count_collectives
+
+        return count_collectives(self._local_gm, self.device_mesh)

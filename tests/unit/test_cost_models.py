@@ -1,0 +1,380 @@
+"""Unit tests of autopar.cost_models: devices, roofline compute, alpha-beta comm, redistribution.
+
+Expected values are derived by hand in each test (shapes chosen so the arithmetic is exact);
+the redistribution planner is also checked against DTensor's own planner on a fake process
+group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import operator
+
+import pytest
+import torch
+from autopar.cost_models import (
+    PROFILES,
+    Collective,
+    axis_link,
+    collective_time,
+    collectives_time,
+    compute_time,
+    get_profile,
+    is_view_op,
+    op_bytes,
+    op_flops,
+    redistribute_collectives,
+    redistribute_time,
+)
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from autopar.mesh import Mesh
+
+aten = torch.ops.aten
+S = torch.Size
+H100 = PROFILES["h100"]
+F32 = torch.float32
+
+
+# ---------------------------------------------------------------- devices
+
+
+def test_h100_profile_matches_datasheet():
+    assert H100.flops_for(torch.bfloat16) == pytest.approx(989.5e12)
+    assert H100.flops_for(torch.float16) == pytest.approx(989.5e12)
+    assert H100.flops_for(torch.float32) == pytest.approx(67e12)
+    assert H100.mem_bandwidth == pytest.approx(3.35e12)
+    assert H100.intra_node_bandwidth == pytest.approx(450e9)
+    assert H100.inter_node_bandwidth == pytest.approx(50e9)
+    assert H100.ranks_per_node == 8
+    assert "datasheet" in H100.source
+
+
+def test_unknown_dtype_uses_float32_flops():
+    for profile in PROFILES.values():
+        assert profile.flops_for(torch.int64) == profile.flops_for(torch.float32)
+        assert profile.flops_for(torch.bool) == profile.flops_for(torch.float32)
+
+
+def test_profiles_are_frozen_and_hashable():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        H100.mem_bandwidth = 1.0
+    assert hash(H100) == hash(dataclasses.replace(H100))
+
+
+def test_profile_without_bfloat16_flops_is_rejected():
+    with pytest.raises(ValueError, match="bfloat16"):
+        dataclasses.replace(H100, peak_flops=(("float32", 1e12), ("float64", 1e12)))
+
+
+def test_get_profile_unknown_name_lists_known_profiles():
+    assert get_profile("h100") is H100
+    with pytest.raises(KeyError, match="h100"):
+        get_profile("nope")
+
+
+# ---------------------------------------------------------------- compute
+
+
+def test_mm_flops_are_2mnk():
+    m, k, n = 64, 32, 48
+    assert op_flops(aten.mm.default, (S([m, k]), S([k, n])), {}, S([m, n])) == 2 * m * n * k
+
+
+def test_addmm_and_bmm_flops():
+    b, m, k, n = 3, 8, 16, 4
+    addmm = op_flops(aten.addmm.default, (S([n]), S([m, k]), S([k, n])), {}, S([m, n]))
+    assert addmm == 2 * m * n * k
+    bmm = op_flops(aten.bmm.default, (S([b, m, k]), S([b, k, n])), {}, S([b, m, n]))
+    assert bmm == 2 * b * m * n * k
+
+
+def test_convolution_flops_use_the_output_shape():
+    # conv2d 3->4 channels, 3x3 kernel, no padding: 8x8 -> 6x6; 2 FLOPs per MAC.
+    args = (S([2, 3, 8, 8]), S([4, 3, 3, 3]), None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1)
+    expected = 2 * (2 * 4 * 6 * 6) * (3 * 3 * 3)
+    assert op_flops(aten.convolution.default, args, {}, S([2, 4, 6, 6])) == expected
+
+
+def test_sdpa_flops_including_cpu_and_raw_registry_variants():
+    b, h, s, d = 2, 4, 128, 64
+    q = S([b, h, s, d])
+    expected = 4 * b * h * s * s * d  # QK^T and PV, 2 FLOPs per MAC each
+    cuda_out = (q, S([b, h, s]), None, None, s, s, S([]), S([]), None)
+    assert op_flops(aten._scaled_dot_product_flash_attention.default, (q, q, q), {}, cuda_out) == (
+        expected
+    )
+    cpu = aten._scaled_dot_product_flash_attention_for_cpu.default
+    assert op_flops(cpu, (q, q, q), {}, (q, S([b, h, s]))) == expected
+    # _flash_attention_forward's formula is "raw" (reads .shape itself).
+    raw = aten._flash_attention_forward.default
+    raw_args = (q, q, q, None, None, s, s, 0.0, False, False)
+    assert op_flops(raw, raw_args, {}, (q, S([b, h, s]), S([]), S([]), S([]))) == expected
+
+
+def test_pointwise_op_counts_one_flop_per_output_element():
+    assert op_flops(aten.add.Tensor, (S([6, 7]), S([7])), {}, S([6, 7])) == 42
+    # an in-place foreach op returns nothing: count the mutated tensors it writes.
+    foreach_args = ([S([3, 4]), S([5])], [S([3, 4]), S([5])])
+    assert op_flops(aten._foreach_add_.List, foreach_args, {}, None) == 17
+
+
+def test_op_bytes_counts_every_tensor_at_its_element_size():
+    nbytes = op_bytes([(S([10, 10]), torch.bfloat16), (S([10]), torch.int64)], [(S([5]), F32)])
+    assert nbytes == 100 * 2 + 10 * 8 + 5 * 4
+
+
+def test_large_bf16_mm_is_compute_bound_on_h100():
+    n = 8192
+    flops = 2 * n**3
+    nbytes = 3 * n * n * 2
+    assert flops / H100.flops_for(torch.bfloat16) > nbytes / H100.mem_bandwidth
+    t = compute_time(H100, aten.mm.default, (S([n, n]), S([n, n])), {}, S([n, n]), torch.bfloat16)
+    assert t == pytest.approx(flops / 989.5e12 + H100.kernel_launch, rel=1e-12)
+
+
+def test_large_elementwise_add_is_memory_bound_on_h100():
+    n = 1 << 26
+    t = compute_time(H100, aten.add.Tensor, (S([n]), S([n])), {}, S([n]), torch.bfloat16)
+    assert t == pytest.approx(3 * n * 2 / 3.35e12 + H100.kernel_launch, rel=1e-12)
+    # explicit byte count (e.g. mixed dtypes) replaces the default
+    t_f32 = compute_time(
+        H100, aten.add.Tensor, (S([n]), S([n])), {}, S([n]), torch.bfloat16, nbytes=3 * n * 4
+    )
+    assert t_f32 == pytest.approx(3 * n * 4 / 3.35e12 + H100.kernel_launch, rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    "op, args",
+    [
+        (aten.view.default, (S([4096, 4096]), [4096 * 4096])),
+        (aten._unsafe_view.default, (S([4096, 4096]), [4096 * 4096])),
+        (aten.t.default, (S([4096, 4096]),)),
+        (aten.transpose.int, (S([4096, 4096]), 0, 1)),
+        (aten.permute.default, (S([64, 64, 64]), [2, 0, 1])),
+        (aten.expand.default, (S([1, 4096]), [4096, 4096])),
+        (aten.unsqueeze.default, (S([4096]), 0)),
+        (aten.slice.Tensor, (S([4096, 4096]), 0, 0, 1024)),
+        (aten.select.int, (S([4096, 4096]), 0, 3)),
+        (aten.detach.default, (S([4096, 4096]),)),
+        (aten.alias.default, (S([4096, 4096]),)),
+        (aten.as_strided.default, (S([4096, 4096]), [4096, 4096], [4096, 1])),
+    ],
+)
+def test_view_ops_cost_zero(op, args):
+    assert is_view_op(op)
+    assert compute_time(H100, op, args, {}, S([4096, 4096]), F32) == 0.0
+    assert op_flops(op, args, {}, S([4096, 4096])) == 0.0
+
+
+def test_getitem_costs_zero_and_copies_do_not():
+    assert is_view_op(operator.getitem)
+    assert compute_time(H100, operator.getitem, ((S([8]), S([8])), 0), {}, S([8]), F32) == 0.0
+    assert not is_view_op(aten.clone.default)
+    assert not is_view_op(aten.add_.Tensor)
+    assert compute_time(H100, aten.clone.default, (S([8]),), {}, S([8]), F32) > 0.0
+
+
+# ---------------------------------------------------------------- collectives
+
+
+def test_collective_formulas():
+    a, bw, nbytes, n = 1e-5, 1e11, 1e9, 8
+    ring = 7 * a + 7 / 8 * nbytes / bw
+    assert collective_time("all_gather", nbytes, n, a, bw) == pytest.approx(ring)
+    assert collective_time("reduce_scatter", nbytes, n, a, bw) == pytest.approx(ring)
+    assert collective_time("all_to_all", nbytes, n, a, bw) == pytest.approx(ring)
+    assert collective_time("all_reduce", nbytes, n, a, bw) == pytest.approx(2 * ring)
+
+
+def test_all_reduce_costs_twice_all_gather_for_large_messages():
+    lat, bw = axis_link(Mesh((8,)), 0, H100)
+    ag = collective_time("all_gather", 2**30, 8, lat, bw)
+    ar = collective_time("all_reduce", 2**30, 8, lat, bw)
+    assert ar == pytest.approx(2 * ag)
+    assert ag == pytest.approx(7 / 8 * 2**30 / 450e9, rel=0.02)  # latency is ~1% of it
+
+
+def test_group_of_one_costs_zero():
+    for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
+        assert collective_time(kind, 2**30, 1, 1e-5, 1e9) == 0.0
+
+
+def test_unknown_collective_kind_is_rejected():
+    with pytest.raises(ValueError, match="all_gather"):
+        collective_time("broadcast", 1, 2, 1e-6, 1e9)
+
+
+def test_inner_axis_is_intra_node_outer_axis_is_inter_node():
+    mesh = Mesh((16, 8), ("dp", "tp"))
+    assert axis_link(mesh, 1, H100) == (H100.intra_node_latency, H100.intra_node_bandwidth)
+    assert axis_link(mesh, 0, H100) == (H100.inter_node_latency, H100.inter_node_bandwidth)
+    # (2, 4): 8 ranks fit in one node, both axes intra-node.
+    small = Mesh((2, 4))
+    assert axis_link(small, 0, H100) == (H100.intra_node_latency, H100.intra_node_bandwidth)
+    # (4, 2, 2) on 8-GPU nodes: axis 1 spans 4 ranks (intra), axis 0 spans 16 (inter).
+    deep = Mesh((4, 2, 2))
+    assert axis_link(deep, 1, H100)[1] == H100.intra_node_bandwidth
+    assert axis_link(deep, 0, H100)[1] == H100.inter_node_bandwidth
+
+
+# ---------------------------------------------------------------- redistribution
+
+SHAPE = (1024, 512)
+FULL = 1024 * 512 * 4  # float32 bytes of SHAPE
+
+
+@pytest.mark.parametrize(
+    "src, dst, expected",
+    [
+        ((Shard(0),), (Replicate(),), [Collective("all_gather", 0, FULL, 8)]),
+        ((Partial(),), (Replicate(),), [Collective("all_reduce", 0, FULL, 8)]),
+        ((Partial("avg"),), (Replicate(),), [Collective("all_reduce", 0, FULL, 8)]),
+        ((Partial(),), (Shard(0),), [Collective("reduce_scatter", 0, FULL, 8)]),
+        ((Shard(0),), (Shard(1),), [Collective("all_to_all", 0, FULL // 8, 8)]),
+        (
+            (_StridedShard(0, split_factor=2),),
+            (Replicate(),),
+            [Collective("all_gather", 0, FULL, 8)],
+        ),
+        ((Replicate(),), (Shard(0),), []),
+        ((Replicate(),), (Partial(),), []),
+        ((Shard(1),), (Shard(1),), []),
+        ((Shard(-1),), (Shard(1),), []),
+    ],
+)
+def test_redistribute_collectives_1d(src, dst, expected):
+    assert redistribute_collectives(src, dst, SHAPE, F32, (8,)) == expected
+
+
+def test_nested_shard_gathers_inner_axis_first_with_smaller_bytes():
+    # (S0, S0) on a (2, 4) mesh: axis 1 gathers the (1024/2, 512) block first, then axis 0
+    # gathers the full (1024, 512) tensor.
+    got = redistribute_collectives(
+        (Shard(0), Shard(0)), (Replicate(), Replicate()), SHAPE, F32, (2, 4)
+    )
+    assert got == [
+        Collective("all_gather", 1, 512 * 512 * 4, 4),
+        Collective("all_gather", 0, 1024 * 512 * 4, 2),
+    ]
+
+
+def test_bytes_shrink_by_shards_on_other_axes():
+    # gather dim 0 over axis 0 while axis 1 keeps dim 1 sharded 4 ways: full along axis 0 is
+    # (1024, 512/4).
+    got = redistribute_collectives(
+        (Shard(0), Shard(1)), (Replicate(), Shard(1)), SHAPE, F32, (2, 4)
+    )
+    assert got == [Collective("all_gather", 0, 1024 * 128 * 4, 2)]
+    # all-reduce both axes of a partial sum: outer axis first, full bytes each
+    got = redistribute_collectives(
+        (Partial(), Partial()), (Replicate(), Replicate()), SHAPE, F32, (2, 4)
+    )
+    assert got == [Collective("all_reduce", 0, FULL, 2), Collective("all_reduce", 1, FULL, 4)]
+
+
+def test_misaligned_nested_shard_goes_through_replicate_like_dtensor():
+    # (S0, R) -> (R, S0): DTensor gathers axis 0 (full bytes) and re-chunks on axis 1 locally.
+    got = redistribute_collectives(
+        (Shard(0), Replicate()), (Replicate(), Shard(0)), SHAPE, F32, (2, 4)
+    )
+    assert got == [Collective("all_gather", 0, FULL, 2)]
+
+
+def test_axis_of_size_one_runs_no_collective():
+    got = redistribute_collectives(
+        (Shard(0), Partial()), (Replicate(), Shard(0)), SHAPE, F32, (1, 4)
+    )
+    assert got == [Collective("reduce_scatter", 1, FULL, 4)]
+
+
+def test_unsupported_redistributions_raise():
+    with pytest.raises(ValueError, match="Replicate"):
+        redistribute_collectives((Shard(0),), (Partial(),), SHAPE, F32, (8,))
+    with pytest.raises(ValueError):
+        redistribute_collectives((Partial("sum"),), (Partial("avg"),), SHAPE, F32, (8,))
+    with pytest.raises(ValueError, match="one placement per mesh axis"):
+        redistribute_collectives((Shard(0),), (Replicate(),), SHAPE, F32, (2, 4))
+
+
+def test_redistribute_time_sums_collectives_on_their_links():
+    mesh = Mesh((16, 8), ("dp", "tp"))
+    src, dst = (Partial(), Partial()), (Replicate(), Replicate())
+    expected = collective_time(
+        "all_reduce", FULL, 16, H100.inter_node_latency, H100.inter_node_bandwidth
+    ) + collective_time("all_reduce", FULL, 8, H100.intra_node_latency, H100.intra_node_bandwidth)
+    assert redistribute_time(src, dst, SHAPE, F32, mesh, H100) == pytest.approx(expected)
+    # profile defaults to the mesh's device
+    assert redistribute_time(src, dst, SHAPE, F32, mesh) == pytest.approx(expected)
+    assert redistribute_time((Replicate(),) * 2, (Shard(0),) * 2, SHAPE, F32, mesh) == 0.0
+
+
+def test_collectives_time_rejects_a_collective_from_another_mesh():
+    with pytest.raises(ValueError, match="does not fit"):
+        collectives_time([Collective("all_gather", 0, 8, 4)], Mesh((8,)), H100)
+
+
+# -------------------------------------------- cross-check against DTensor's own planner
+
+
+@pytest.fixture(scope="module")
+def fake_world():
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this pytest process")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+    yield
+    _MESHES.clear()
+    dist.destroy_process_group()
+
+
+_MESHES: dict = {}
+
+
+def _dtensor_plan(mesh_shape, src, dst, shape):
+    """(kind, axis) of each collective DTensor's greedy planner emits, None for local steps."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    from torch.distributed.tensor._redistribute import _gen_transform_infos_non_cached
+
+    if mesh_shape not in _MESHES:
+        _MESHES[mesh_shape] = DeviceMesh(
+            "cpu", torch.arange(math.prod(mesh_shape)).reshape(mesh_shape)
+        )
+    mesh = _MESHES[mesh_shape]
+    stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+    meta = TensorMeta(torch.Size(shape), stride, F32)
+    infos = _gen_transform_infos_non_cached(
+        DTensorSpec(mesh, src, tensor_meta=meta),
+        DTensorSpec(mesh, dst, tensor_meta=meta),
+        use_graph_based_transform=False,
+    )
+    return [
+        (info._comm_type_key(), info.mesh_dim, info.src_dst_placements)
+        for info in infos
+        if mesh_shape[info.mesh_dim] > 1
+    ]
+
+
+@pytest.mark.parametrize("mesh_shape", [(8,), (2, 4), (1, 8), (2, 2, 2)])
+def test_redistribute_order_matches_dtensor_planner(fake_world, mesh_shape):
+    """Every pair of placements from {R, S0, S1, P} per axis: same collectives, same order."""
+    choices = [Replicate(), Shard(0), Shard(1), Partial()]
+    shape = (16, 8)
+    for src in itertools.product(choices, repeat=len(mesh_shape)):
+        for dst in itertools.product(choices, repeat=len(mesh_shape)):
+            theirs = _dtensor_plan(mesh_shape, src, dst, shape)
+            try:
+                ours = redistribute_collectives(src, dst, shape, F32, mesh_shape)
+            except ValueError:
+                # we refuse exactly what DTensor fails on when it runs the plan
+                assert any(s.is_shard() and d.is_partial() for _, _, (s, d) in theirs), (src, dst)
+                continue
+            assert [(c.kind, c.axis) for c in ours] == [
+                (kind, axis) for kind, axis, _ in theirs if kind is not None
+            ], (src, dst)
