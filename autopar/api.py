@@ -92,7 +92,7 @@ def plan_step(
         outputs[sink.position] = rep if sink.like is None else nodes[sink.like].out[0]
 
     per_rank = total = 0
-    for name, node in params.items():
+    for node in params.values():
         val = next(n for n in step.placeholders() if n.name == node).meta["val"]
         nbytes = val.numel() * val.element_size()
         shards = math.prod(
@@ -197,6 +197,25 @@ def _check_world(device_mesh) -> None:
         )
 
 
+def _plan_on_rank0(step, amesh: Mesh, time_limit_s, memory_budget) -> Plan:
+    """Rank 0 plans, every rank receives the same plan (one solve, one answer)."""
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    box: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = plan_step(step, amesh, time_limit_s=time_limit_s, memory_budget=memory_budget)
+            box[0] = box[0].to_json(timings=True)
+        except Exception as e:  # noqa: BLE001 - every rank must learn that planning failed
+            box[0] = e
+    with unset_fake_temporarily():
+        dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], Exception):
+        raise box[0]
+    return Plan.from_json(box[0])
+
+
 def compile(  # noqa: A001 - the documented name
     model: nn.Module,
     mesh,
@@ -236,7 +255,7 @@ def compile(  # noqa: A001 - the documented name
             model, example_inputs, loss_fn=loss_fn, example_targets=example_targets, stack=stack
         )
         if plan is None:
-            plan = plan_step(step, amesh, time_limit_s=time_limit_s, memory_budget=memory_budget)
+            plan = _plan_on_rank0(step, amesh, time_limit_s, memory_budget)
         else:
             if plan.fingerprint != step.fingerprint():
                 raise PlanMismatchError(

@@ -209,7 +209,7 @@ def planning_device_mesh(mesh: Mesh):
 
 
 def _allowed(p: Placement) -> bool:
-    if type(p) in (Shard, Replicate):
+    if type(p) in (Shard, Replicate, _StridedShard):
         return True
     return type(p) is Partial and p.reduce_op in ("sum", "avg")
 
@@ -378,6 +378,17 @@ def _dtensor_rule(node, args_schema, kwargs_schema, dmesh) -> list[OpSpec] | Non
     return None
 
 
+def _tensor_lists(args):
+    """A list of tensors is a TupleStrategy to DTensor's rules (``cat``, ``stack``, ...)."""
+    out = []
+    for a in args:
+        if isinstance(a, (list, tuple)) and a and all(isinstance(x, OpStrategy) for x in a):
+            out.append(TupleStrategy(tuple(a)))
+        else:
+            out.append(a)
+    return tuple(out)
+
+
 def _rule_per_candidate(node, args_schema, kwargs_schema, dmesh):
     """Ask DTensor's rule with every candidate at once; if one candidate makes it raise,
     ask again one candidate of the first tensor argument at a time and keep what works."""
@@ -485,7 +496,7 @@ def build_strategies(step: StepGraph, mesh: Mesh, *, dmesh=None) -> StrategySpac
                 return out_specs(a.name, 0)
             return a
 
-        args_schema = tree_map(to_schema, node.args)
+        args_schema = _tensor_lists(tree_map(to_schema, node.args))
         kwargs_schema = tree_map(to_schema, node.kwargs)
         specs = None
         err = None
@@ -548,6 +559,28 @@ def _contig(shape) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
+_aten = torch.ops.aten
+# Ops that may take or give a _StridedShard: the views that flatten a sharded inner dim
+# (attention's [B, heads, S, D] -> [B*heads, S, D]), the batched matmuls between them, and
+# the views that undo the flattening. Everywhere else a strided placement is not offered.
+STRIDED_OPS = {
+    _aten.view.default,
+    _aten._unsafe_view.default,
+    _aten.reshape.default,
+    _aten.transpose.int,
+    _aten.expand.default,
+    _aten.clone.default,
+    _aten.detach.default,
+    _aten.bmm.default,
+    _aten.baddbmm.default,
+    operator.getitem,
+}
+
+
+def _strided(ps) -> bool:
+    return ps is not None and any(type(p) is _StridedShard for p in ps)
+
+
 def _from_opspec(spec: OpSpec, node, in_nodes, shapes, mesh: Mesh) -> Strategy | None:
     """Turn DTensor's OpSpec into a Strategy, or None if autopar cannot use it."""
     outs = spec.output_specs
@@ -579,6 +612,8 @@ def _from_opspec(spec: OpSpec, node, in_nodes, shapes, mesh: Mesh) -> Strategy |
         if not all(_allowed(p) for p in ps) or (sd and not _divides(ps, sd[0], mesh.shape)):
             return None
         in_ps.append(ps)
+    if node.target not in STRIDED_OPS and any(_strided(ps) for ps in out_ps + in_ps):
+        return None
     return Strategy(out=tuple(out_ps), ins=tuple(in_ps))
 
 

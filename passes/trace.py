@@ -145,6 +145,56 @@ def _failing_module(model: nn.Module, args) -> str:
     return ""
 
 
+_ASSERTS = {
+    torch.ops.aten._assert_tensor_metadata.default,
+    torch.ops.aten._assert_scalar.default,
+    torch.ops.aten.sym_constrain_range_for_size.default,
+}
+
+
+def _drop_asserts(gm: torch.fx.GraphModule) -> None:
+    """Remove metadata assertions: they check global shapes, which no rank holds."""
+    for n in list(gm.graph.nodes):
+        if n.op == "call_function" and n.target in _ASSERTS and not n.users:
+            gm.graph.erase_node(n)
+    gm.recompile()
+
+
+def _meta_to_fake(model: nn.Module, inputs, targets):
+    """Trace a meta model as fake CPU tensors: same shapes, still no memory.
+
+    NOTE: aot_autograd on meta tensors loses grad mode after a ``torch.no_grad`` region
+    (the rotary embedding of HF Llama has one), so the joint graph would have no backward;
+    fake tensors on the CPU device trace like real ones.
+    """
+    import copy
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=False)
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        device = "cpu" if t.is_meta else t.device
+        with mode:
+            out = torch.empty(t.shape, dtype=t.dtype, device=device)
+        return out
+
+    model = copy.deepcopy(model)
+    memo: dict[int, torch.Tensor] = {}  # tied weights stay tied
+    for mod in model.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is not None:
+                if id(p) not in memo:
+                    memo[id(p)] = nn.Parameter(fake(p), requires_grad=p.requires_grad)
+                mod._parameters[name] = memo[id(p)]
+        for name, b in list(mod._buffers.items()):
+            if b is not None:
+                if id(b) not in memo:
+                    memo[id(b)] = fake(b)
+                mod._buffers[name] = memo[id(b)]
+    return model, tuple(fake(t) for t in inputs), tuple(fake(t) for t in targets)
+
+
 def _check_inputs(model, example_inputs, loss_fn, example_targets):
     if not isinstance(model, nn.Module):
         raise TypeError(f"autopar traces an nn.Module, got {type(model).__name__}")
@@ -188,6 +238,8 @@ def trace_step(
     from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 
     inputs, targets = _check_inputs(model, example_inputs, loss_fn, example_targets)
+    if any(t.is_meta for t in list(model.parameters()) + list(inputs + targets)):
+        model, inputs, targets = _meta_to_fake(model, inputs, targets)
     step = _Step(model, loss_fn, len(inputs))
     args = inputs + targets
     t0 = time.perf_counter()
@@ -212,6 +264,7 @@ def trace_step(
             f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
         ) from e
     gm = joint.graph_module
+    _drop_asserts(gm)
     trace_s = time.perf_counter() - t0
 
     param_names, buffer_names = [], []

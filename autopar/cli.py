@@ -1,0 +1,165 @@
+"""The ``autopar`` command: a thin layer over the Python API.
+
+autopar plan MODEL --mesh 2x2 [--axes dp,tp] [--device h100] [--batch 8] [--out plan.json]
+    MODEL is a built-in example (mlp, gpt, hf-gpt2, hf-llama) or path/to/file.py:factory,
+    where factory(batch=...) returns (model, example_inputs, loss_fn, example_targets).
+    Plans on the meta device (no weights) and prints the plan's table.
+
+autopar demo [--mesh 2x2] [--steps 3] [--model gpt]
+    Plans a small GPT, trains it a few steps on a local gloo mesh of 4 processes, and
+    prints each step's loss beside the single-device model's loss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+
+__all__ = ["main"]
+
+
+def _mesh_shape(text: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(s) for s in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"mesh must look like 8 or 2x4, got {text!r}") from None
+    if not shape or any(s < 1 for s in shape):
+        raise argparse.ArgumentTypeError(f"mesh sizes must be >= 1, got {text!r}")
+    return shape
+
+
+def _axes(shape, text: str | None) -> tuple[str, ...]:
+    if text:
+        names = tuple(text.split(","))
+    else:
+        names = ("dp",) if len(shape) == 1 else ("dp", "tp", "sp")[: len(shape)]
+        if len(names) < len(shape):
+            names = tuple(f"axis{i}" for i in range(len(shape)))
+    if len(names) != len(shape):
+        raise SystemExit(f"autopar: {len(shape)} mesh axes but {len(names)} names ({text})")
+    return names
+
+
+def _to_meta(model, inputs, targets):
+
+    model = model.to("meta")
+    return model, tuple(t.to("meta") for t in inputs), tuple(t.to("meta") for t in targets)
+
+
+def cmd_plan(args) -> int:
+    import autopar
+    from autopar.verify import resolve_example
+
+    factory = resolve_example(args.model)
+    model, inputs, loss_fn, targets = factory(batch=args.batch)
+    model, inputs, targets = _to_meta(model, inputs, targets)
+    shape = args.mesh
+    mesh = autopar.Mesh(shape, _axes(shape, args.axes), device=args.device)
+    budget = args.memory_budget_mib * 2**20 if args.memory_budget_mib else None
+    with warnings.catch_warnings():
+        warnings.simplefilter("default" if args.verbose else "ignore")
+        plan = autopar.plan(
+            model,
+            mesh,
+            inputs,
+            loss_fn=loss_fn,
+            example_targets=targets,
+            memory_budget=budget,
+        )
+    print(plan.summary())
+    if args.out:
+        plan.save(args.out)
+        print(f"\nplan written to {args.out}")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from autopar.verify import verify
+
+    shape = args.mesh
+    names = _axes(shape, args.axes)
+    print(
+        f"autopar demo: planning '{args.model}' for mesh {'x'.join(map(str, shape))} "
+        f"{names} and training {args.steps} AdamW steps on local gloo processes "
+        f"({args.dtype}); parameter memory budget {args.memory_fraction:.0%} of the model's",
+        flush=True,
+    )
+    reports = verify(
+        args.model,
+        shape,
+        names,
+        steps=args.steps,
+        dtype=args.dtype,
+        memory_fraction=args.memory_fraction,
+    )
+    r = reports[0]
+    import autopar
+
+    plan = autopar.Plan.from_json(r.plan_json)
+    print(plan.summary())
+    print()
+    print(f"{'step':>4}  {'autopar loss':>20}  {'single-device loss':>20}  {'rel diff':>9}")
+    worst = 0.0
+    for i, (a, b) in enumerate(zip(r.losses, r.ref_losses)):
+        rel = abs(a - b) / max(abs(b), 1e-30)
+        worst = max(worst, rel)
+        print(f"{i:>4}  {a:>20.12f}  {b:>20.12f}  {rel:>9.1e}")
+    print(f"\nmax relative gradient error (step 0): {r.grad_rel_err:.1e}")
+    print(f"max relative parameter error after {args.steps} steps: {r.param_rel_err:.1e}")
+    print(f"collectives per step, planned: {r.predicted}")
+    print(f"collectives per step, compiled: {r.ran}")
+    tol = 1e-8 if args.dtype == "float64" else 1e-4
+    ok = worst <= tol and r.param_rel_err <= tol
+    print(
+        "OK: matches the single-device model" if ok else "MISMATCH against the single-device model"
+    )
+    return 0 if ok else 1
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="autopar", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    pp = sub.add_parser("plan", help="plan a model for a mesh and print the plan")
+    pp.add_argument("model", help="built-in example name or path/to/file.py:factory")
+    pp.add_argument("--mesh", type=_mesh_shape, default=(2, 2), help="e.g. 8, 2x4 (default 2x2)")
+    pp.add_argument("--axes", default=None, help="axis names, e.g. dp,tp")
+    pp.add_argument("--device", default="h100", help="device profile (default h100)")
+    pp.add_argument("--batch", type=int, default=8, help="global batch size (default 8)")
+    pp.add_argument(
+        "--memory-budget-mib",
+        type=float,
+        default=None,
+        help="per-rank budget for parameters, gradients and AdamW state",
+    )
+    pp.add_argument("--out", default=None, help="write the plan's JSON here")
+    pp.add_argument("-v", "--verbose", action="store_true", help="show warnings")
+    pp.set_defaults(fn=cmd_plan)
+
+    pd = sub.add_parser("demo", help="plan a small GPT and train it on local gloo processes")
+    pd.add_argument("--model", default="gpt")
+    pd.add_argument("--mesh", type=_mesh_shape, default=(2, 2))
+    pd.add_argument("--axes", default=None)
+    pd.add_argument("--steps", type=int, default=3)
+    pd.add_argument("--dtype", default="float64", choices=["float64", "float32"])
+    pd.add_argument(
+        "--memory-fraction",
+        type=float,
+        default=0.5,
+        help="parameter memory budget per rank, as a fraction of the whole model's",
+    )
+    pd.set_defaults(fn=cmd_demo)
+
+    args = p.parse_args(argv)
+    try:
+        return args.fn(args)
+    except (ValueError, TypeError, KeyError, FileNotFoundError, RuntimeError) as e:
+        if getattr(args, "verbose", False):
+            raise
+        print(f"autopar {args.cmd}: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
