@@ -23,9 +23,12 @@ The ILP (Alpa's intra-operator formulation):
 
 Simplification (Alpa's): a node that only follows its single tensor input (a view, an
 elementwise op of one tensor, a getitem: ``_follows``) never has its input redistributed
-when its producer's placement p is one it accepts: the pairs (p, q != p) are left out. This
-is what keeps the number of edge variables near the number of strategies; it loses
-optimality only where resharding right before such a node is cheaper than at its consumer.
+when its producer's placement p is one it accepts: the pairs (p, q != p) are left out.
+Where it accepts every placement its producer can give, it is merged into the producer
+(``_merge_source``): it gets no variables and no edge, x[v,k] = Y[u, ins_k], and its cost
+C[v,k] is added to the producer's variables that give ins_k. This keeps the number of
+variables near the number of distinct placements; it loses optimality only where
+resharding right before such a node is cheaper than at its consumer.
 
 ``C[v,k]`` is the roofline time of node v's op on the local shapes of strategy k
 (``cost_models.compute.compute_time``, in ``_node_costs``); ``R(p, q)`` the alpha-beta time of
@@ -57,6 +60,7 @@ from autopar.cost_models import (
     redistribute_time,
 )
 from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils._pytree import tree_map
 
 from .strategies import Strategy, StrategySpace, TensorInput, local_shape
@@ -147,9 +151,23 @@ def _follows(space: StrategySpace, name: str) -> bool:
     return len({s.ins[0] for s in strats}) == len(strats)
 
 
+def _merge_source(space: StrategySpace, name: str) -> tuple[str, int] | None:
+    """The (producer, output) a following node is merged into, or None."""
+    if space.roles.get(name) in ("param", "buffer", "input", "target", "tangent"):
+        return None
+    if not _follows(space, name):
+        return None
+    srcs = space._in_sources[name]  # type: ignore[attr-defined]
+    return srcs[0] if len(srcs) == 1 else None
+
+
 def _edge_cost(src_ps, dst_ps, shape_dtype, mesh, profile) -> float | None:
     if src_ps == dst_ps:
         return 0.0
+    if any(type(p) is _StridedShard for p in src_ps + dst_ps):
+        # NOTE: DTensor redistributes a _StridedShard with data-dependent indexing that
+        # make_fx cannot trace; strided placements only flow between ops that take them.
+        return None
     try:
         return redistribute_time(src_ps, dst_ps, shape_dtype[0], shape_dtype[1], mesh, profile)
     except ValueError:
@@ -194,36 +212,48 @@ def solve(
     lp.SetNumThreads(1)
     lp.SuppressOutput()
 
-    x: dict[str, list] = {}
+    # x[name][k]: the base variables whose sum is x[v,k]. A node that follows its producer
+    # (``_merge_source``) has no variables of its own: x[v,k] = Y[u, ins_k].
+    x: dict[str, list[list]] = {}
+    coef: dict = defaultdict(float)
     node_cost: dict[str, list[float]] = {}
-    objective = lp.Objective()
-    for name in space.order:
-        strats = space.strategies[name]
-        if not strats:
-            raise SolveError(f"node {name} has no strategy")
-        vs = [lp.BoolVar(f"x_{name}_{k}") for k in range(len(strats))]
-        lp.Add(sum(vs) == 1)
-        x[name] = vs
-        costs = _node_costs(space, name, profile)
-        node_cost[name] = costs
-        n = len(strats)
-        for k, (v, c) in enumerate(zip(vs, costs)):
-            # tie-break: prefer earlier strategies by a hair
-            objective.SetCoefficient(v, c * _SCALE + 1e-9 * k / max(n, 1))
-    t_nodes = time.perf_counter()
+    merged: set[str] = set()
 
     def out_group(name: str, idx: int) -> dict:
         g = defaultdict(list)
         for k, s in enumerate(space.strategies[name]):
             if s.out[idx] is not None:
-                g[s.out[idx]].append(x[name][k])
+                g[s.out[idx]].extend(x[name][k])
         return g
 
     def in_group(name: str, j: int) -> dict:
         g = defaultdict(list)
         for k, s in enumerate(space.strategies[name]):
-            g[s.ins[j]].append(x[name][k])
+            g[s.ins[j]].extend(x[name][k])
         return g
+
+    for name in space.order:
+        strats = space.strategies[name]
+        if not strats:
+            raise SolveError(f"node {name} has no strategy")
+        costs = _node_costs(space, name, profile)
+        node_cost[name] = costs
+        src = _merge_source(space, name)
+        groups = out_group(*src) if src else None
+        if groups is not None and set(groups) <= {st.ins[0] for st in strats}:
+            x[name] = [list(groups.get(st.ins[0], [])) for st in strats]
+            merged.add(name)
+        else:
+            vs = [lp.BoolVar(f"x_{name}_{k}") for k in range(len(strats))]
+            lp.Add(sum(vs) == 1)
+            x[name] = [[v] for v in vs]
+            for k, v in enumerate(vs):
+                # tie-break: prefer earlier strategies by a hair
+                coef[v] += 1e-9 * k / len(vs)
+        for k, c in enumerate(costs):
+            for v in x[name][k]:
+                coef[v] += c * _SCALE
+    t_nodes = time.perf_counter()
 
     edge_vars: list[tuple[str, object, object, object, float, tuple]] = []
     n_edge_vars = 0
@@ -246,7 +276,7 @@ def solve(
                 pair_vars_p[p].append(ev)
                 pair_vars_q[q].append(ev)
                 if c > 0:
-                    objective.SetCoefficient(ev, c * _SCALE)
+                    coef[ev] += c * _SCALE
                     edge_vars.append((label, ev, p, q, c, shape_dtype))
         for p, xs in src_groups.items():
             lp.Add(sum(pair_vars_p[p]) == sum(xs))
@@ -254,6 +284,8 @@ def solve(
             lp.Add(sum(pair_vars_q[q]) == sum(xs))
 
     for e in space.edges:
+        if e.dst in merged:
+            continue
         groups = in_group(e.dst, e.dst_in)
         add_edge(f"{e.src}->{e.dst}", e.src, e.src_out, groups, follow=_follows(space, e.dst))
     rep = (Replicate(),) * mesh.ndim
@@ -274,7 +306,7 @@ def solve(
                     lp.Add(sum(xs) == 0)
                 elif c > 0:
                     for v in xs:
-                        objective.SetCoefficient(v, objective.GetCoefficient(v) + c * _SCALE)
+                        coef[v] += c * _SCALE
                     edge_vars.append((label, xs, p, rep, c, shape_dtype))
             continue
         add_edge(label, sink.src, sink.src_out, groups)
@@ -290,8 +322,11 @@ def solve(
             (shape, dtype) = space.shapes[name][0]
             for k, st in enumerate(space.strategies[name]):
                 nbytes = math.prod(local_shape(shape, st.out[0], mesh.shape)) * dtype.itemsize
-                terms.append(STATE_COPIES * nbytes * x[name][k])
+                terms.extend(STATE_COPIES * nbytes * v for v in x[name][k])
         lp.Add(sum(terms) <= float(memory_budget))
+    objective = lp.Objective()
+    for v, c in coef.items():
+        objective.SetCoefficient(v, c)
     objective.SetMinimization()
     t_built = time.perf_counter()
     lp.SetTimeLimit(int(time_limit_s * 1000))
@@ -310,7 +345,7 @@ def solve(
 
     choice = {}
     for name, vs in x.items():
-        vals = [v.solution_value() for v in vs]
+        vals = [sum(v.solution_value() for v in group) for group in vs]
         choice[name] = max(range(len(vals)), key=lambda k: vals[k])
     compute_s = sum(node_cost[n][k] for n, k in choice.items())
     collectives: list[tuple[str, Collective, float]] = []

@@ -34,6 +34,7 @@ import itertools
 import logging
 import math
 import operator
+import os
 import warnings
 from dataclasses import dataclass, field
 
@@ -64,6 +65,7 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+_STRIDED = os.environ.get("AUTOPAR_STRIDED", "1") == "1"
 
 Placements = tuple[Placement, ...]
 
@@ -209,7 +211,7 @@ def planning_device_mesh(mesh: Mesh):
 
 
 def _allowed(p: Placement) -> bool:
-    if type(p) in (Shard, Replicate, _StridedShard):
+    if type(p) in (Shard, Replicate) or (type(p) is _StridedShard and _STRIDED):
         return True
     return type(p) is Partial and p.reduce_op in ("sum", "avg")
 

@@ -119,30 +119,17 @@ def _module_path(node: torch.fx.Node) -> str:
     return _strip(path)
 
 
-def _failing_module(model: nn.Module, args) -> str:
-    """Run the model eagerly with forward hooks to find the innermost module that raises."""
-    failing: list[str] = []
-    names = {m: n for n, m in model.named_modules()}
-    hooks = []
-
-    def pre(mod, _inputs):
-        failing.append(names.get(mod, "?"))
-
-    def post(mod, _inputs, _out):
-        failing.pop()
-
-    for m in model.modules():
-        hooks.append(m.register_forward_pre_hook(pre))
-        hooks.append(m.register_forward_hook(post))
-    try:
-        with torch.no_grad():
-            model(*args)
-    except Exception:
-        return failing[-1] if failing else ""
-    finally:
-        for h in hooks:
-            h.remove()
-    return ""
+def _failing_module(model: nn.Module, exc: BaseException) -> str:
+    """The innermost module of ``model`` whose ``forward`` is on the exception's stack."""
+    names = {id(m): n for n, m in model.named_modules()}
+    found = ""
+    tb = exc.__traceback__
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if owner is not None and id(owner) in names and tb.tb_frame.f_code.co_name == "forward":
+            found = names[id(owner)] or found
+        tb = tb.tb_next
+    return found
 
 
 _ASSERTS = {
@@ -246,7 +233,7 @@ def trace_step(
     try:
         ep = torch.export.export(step, args, strict=False)
     except Exception as e:  # noqa: BLE001 - rewrap with the module that failed
-        where = _failing_module(model, inputs) if not any(t.is_meta for t in args) else ""
+        where = _failing_module(model, e)
         where_txt = f" in module '{where}'" if where else ""
         raise TraceError(
             f"torch.export could not trace {type(model).__name__}{where_txt}: "

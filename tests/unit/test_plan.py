@@ -1,0 +1,84 @@
+import warnings
+
+import pytest
+import torch
+from autopar.passes.solve import SolveError
+
+import autopar
+from autopar import Mesh, Plan
+from autopar.models import GPT, MLP, GPTConfig, cross_entropy_loss, mse_loss
+
+
+def _gpt_plan(mesh, **kw):
+    cfg = GPTConfig(layers=1, hidden=32, heads=2, ffn=64, vocab=64, seq=8)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    tokens = torch.zeros(4, cfg.seq, dtype=torch.long, device="meta")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return autopar.plan(
+            model, mesh, (tokens,), loss_fn=cross_entropy_loss, example_targets=(tokens,), **kw
+        )
+
+
+def test_plan_json_round_trips_exactly():
+    plan = _gpt_plan(Mesh((2,), ("dp",)))
+    again = Plan.from_json(plan.to_json(timings=True))
+    assert again == plan
+    assert again.to_json() == plan.to_json()
+    assert Plan.from_json(plan.to_json()).to_json() == plan.to_json()
+
+
+def test_same_model_inputs_and_mesh_give_the_same_plan_json():
+    mesh = Mesh((2, 2), ("dp", "tp"))
+    assert _gpt_plan(mesh).to_json() == _gpt_plan(mesh).to_json()
+
+
+def test_plan_records_param_placements_stats_and_summary():
+    plan = _gpt_plan(Mesh((2,), ("dp",)))
+    assert set(plan.param_placements) == {
+        n
+        for n, _ in GPT(
+            GPTConfig(layers=1, hidden=32, heads=2, ffn=64, vocab=64, seq=8)
+        ).named_parameters()
+    }
+    for placements in plan.param_placements.values():
+        assert len(placements) == 1
+    assert plan.stats["trace_s"] > 0 and plan.stats["search_s"] > 0
+    assert plan.stats["variables"] > 0 and plan.stats["status"] == "optimal"
+    text = plan.summary()
+    assert "blocks.0.fc1.weight" in text and "estimated step time" in text
+
+
+def test_memory_budget_forces_parameters_to_be_sharded():
+    mesh = Mesh((4,), ("dp",))
+    free = _gpt_plan(mesh)
+    full = free.memory["param_bytes_total"]
+    tight = _gpt_plan(mesh, memory_budget=4 * full * 0.4)
+    assert tight.memory["param_bytes_per_rank"] <= 0.4 * full
+    assert any(p != ("R",) for p in (tight.nodes[n].out[0] for n in tight.params.values()))
+    assert tight.cost["total_s"] >= free.cost["total_s"]
+
+
+def test_impossible_memory_budget_is_a_clear_error():
+    with pytest.raises(SolveError, match="memory budget"):
+        _gpt_plan(Mesh((2,), ("dp",)), memory_budget=1000)
+
+
+def test_plan_takes_an_autopar_mesh():
+    with pytest.raises(TypeError, match="autopar.Mesh"):
+        autopar.plan(
+            MLP(),
+            (2, 2),
+            (torch.randn(4, 16),),
+            loss_fn=mse_loss,
+            example_targets=(torch.randn(4, 8),),
+        )
+
+
+def test_mesh_checks_itself():
+    with pytest.raises(ValueError, match="axis names"):
+        Mesh((2, 2), ("dp",))
+    with pytest.raises(ValueError, match="distinct"):
+        Mesh((2, 2), ("dp", "dp"))
+    assert Mesh((2, 4), ("dp", "tp")).size == 8

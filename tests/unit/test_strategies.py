@@ -1,0 +1,77 @@
+import contextlib
+import warnings
+
+import pytest
+import torch
+from autopar.passes.strategies import (
+    NoRuleWarning,
+    build_strategies,
+    parse_placement,
+    placement_str,
+)
+from autopar.passes.trace import trace_step
+from torch import nn
+from torch.distributed.tensor import Partial, Shard
+
+from autopar import Mesh
+from autopar.models import GPT, MLP, GPTConfig, cross_entropy_loss, lm_batch, mse_loss
+
+
+def _space(model, inputs, loss_fn, targets, mesh):
+    with contextlib.ExitStack() as stack:
+        step = trace_step(model, inputs, loss_fn=loss_fn, example_targets=targets, stack=stack)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            space = build_strategies(step, mesh)
+        return step, space, caught
+
+
+def test_every_node_has_a_strategy_and_only_divisible_shards():
+    cfg = GPTConfig(layers=1, hidden=64, heads=4, ffn=96, vocab=100, seq=12)
+    tokens, targets = lm_batch(cfg.vocab, 6, cfg.seq)
+    step, space, _ = _space(
+        GPT(cfg), (tokens,), cross_entropy_loss, (targets,), Mesh((4,), ("dp",))
+    )
+    assert set(space.strategies) == {n.name for n in step.gm.graph.nodes if n.op != "output"}
+    for name, strats in space.strategies.items():
+        assert strats, name
+        for s in strats:
+            for ps, shape_dtype in zip(s.out, space.shapes[name]):
+                if ps is None:
+                    continue
+                for p in ps:
+                    if isinstance(p, Shard):
+                        # batch 6, vocab 100, seq 12 do not divide by 4: never offered sharded
+                        assert shape_dtype[0][p.dim] % 4 == 0, (name, s.text())
+    # placeholders (stored tensors) are never Partial
+    for name, role in space.roles.items():
+        if role in ("param", "input", "target"):
+            for s in space.strategies[name]:
+                assert not any(isinstance(p, Partial) for p in s.out[0])
+
+
+def test_matmul_offers_megatron_column_and_row_strategies():
+    model = nn.Sequential(nn.Linear(32, 64, bias=False), nn.Linear(64, 32, bias=False))
+    x, y = torch.randn(8, 32), torch.randn(8, 32)
+    _, space, _ = _space(model, (x,), mse_loss, (y,), Mesh((2,), ("tp",)))
+    mms = [n for n, t in space.targets.items() if str(t) == "aten.mm.default"]
+    texts = {s.text() for n in mms for s in space.strategies[n]}
+    assert "(R) (S(1)) -> (S(1))" in texts  # column parallel
+    assert "(S(1)) (S(0)) -> (P(sum))" in texts  # row parallel, partial sums
+    assert "(S(0)) (R) -> (S(0))" in texts  # data parallel
+
+
+def test_op_without_rule_is_replicated_with_a_warning_naming_it():
+    _, space, caught = _space(
+        MLP(), (torch.randn(8, 16),), mse_loss, (torch.randn(8, 8),), Mesh((2,))
+    )
+    msgs = [str(w.message) for w in caught if issubclass(w.category, NoRuleWarning)]
+    assert any(m.startswith("aten.mse_loss.default (<top level>") for m in msgs), msgs
+    (name,) = [n for n, t in space.targets.items() if str(t) == "aten.mse_loss.default"]
+    assert name in space.fallbacks
+    assert [s.text() for s in space.strategies[name]] == ["(R) (R) -> (R)"]
+
+
+@pytest.mark.parametrize("text", ["R", "S(0)", "S(2)", "P(sum)", "P(avg)", "SS(0,4)"])
+def test_placement_text_round_trips(text):
+    assert placement_str(parse_placement(text)) == text

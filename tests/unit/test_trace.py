@@ -1,0 +1,84 @@
+import contextlib
+
+import pytest
+import torch
+from autopar.passes.trace import TraceError, trace_step
+from torch import nn
+
+from autopar.models import GPT, MLP, GPTConfig, cross_entropy_loss, lm_batch, mse_loss
+
+
+def _trace(model, inputs, loss_fn=None, targets=None):
+    stack = contextlib.ExitStack()
+    with stack:
+        return trace_step(model, inputs, loss_fn=loss_fn, example_targets=targets, stack=stack)
+
+
+def test_gpt_joint_graph_roles_and_module_paths():
+    cfg = GPTConfig(layers=2)
+    model = GPT(cfg)
+    tokens, targets = lm_batch(cfg.vocab, 4, cfg.seq)
+    step = _trace(model, (tokens,), cross_entropy_loss, (targets,))
+    roles = [n.meta["autopar_role"] for n in step.placeholders()]
+    n_params = len(list(model.parameters()))
+    assert roles == ["param"] * n_params + ["input", "target", "tangent"]
+    assert step.param_names == [n for n, _ in model.named_parameters()]
+    # every parameter's gradient is an output of the joint graph
+    assert sorted(step.grad_of.values()) == sorted(step.param_names)
+    ops = [n for n in step.gm.graph.nodes if n.op == "call_function"]
+    assert {n.meta["autopar_role"] for n in ops} == {"forward", "backward"}
+    # forward and backward matmuls of a layer carry its module path
+    q_nodes = [n for n in ops if n.meta["autopar_module"] == "blocks.1.attn.q"]
+    assert {n.meta["autopar_role"] for n in q_nodes} == {"forward", "backward"}
+    assert any(str(n.target) == "aten.addmm.default" for n in q_nodes)
+
+
+def test_meta_model_traces_forward_and_backward():
+    with torch.device("meta"):
+        model = MLP()
+    x = torch.empty(8, 16, device="meta")
+    y = torch.empty(8, 8, device="meta")
+    step = _trace(model, (x,), mse_loss, (y,))
+    assert len(step.grad_of) == len(list(model.parameters()))
+    assert any(n.meta.get("autopar_role") == "backward" for n in step.gm.graph.nodes)
+
+
+class _DataDependent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.lin(x)
+        if y.sum() > 0:  # data-dependent control flow: torch.export cannot trace it
+            return y * 2
+        return y
+
+
+class _Outer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.pre = nn.Linear(4, 4)
+        self.branchy = _DataDependent()
+
+    def forward(self, x):
+        return self.branchy(self.pre(x))
+
+
+def test_untraceable_model_names_the_module():
+    with pytest.raises(TraceError) as e:
+        _trace(_Outer(), (torch.randn(2, 4),), mse_loss, (torch.randn(2, 4),))
+    msg = str(e.value)
+    assert "torch.export could not trace _Outer" in msg
+    assert "in module 'branchy'" in msg
+
+
+@pytest.mark.parametrize("inputs", [None, ()])
+def test_missing_example_inputs_is_a_clear_error(inputs):
+    with pytest.raises(ValueError, match="example_inputs are missing"):
+        _trace(MLP(), inputs, mse_loss, (torch.randn(2, 8),))
+
+
+def test_non_scalar_loss_is_a_clear_error():
+    with pytest.raises(TraceError, match="loss_fn must return a scalar"):
+        _trace(MLP(), (torch.randn(2, 16),), lambda y, t: y - t, (torch.randn(2, 8),))
