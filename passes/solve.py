@@ -30,7 +30,8 @@ C[v,k] is added to the producer's variables that give ins_k. This keeps the numb
 variables near the number of distinct placements; it loses optimality only where
 resharding right before such a node is cheaper than at its consumer.
 
-``C[v,k]`` is the roofline time of node v's op on the local shapes of strategy k
+``C[v,k]`` is the roofline time of node v's op on the local shapes of strategy k (for a
+batch input: the time to read its local part, bytes / memory bandwidth)
 (``cost_models.compute.compute_time``, in ``_node_costs``); ``R(p, q)`` the alpha-beta time of
 the collectives that redistribute the tensor from p to q
 (``cost_models.comm.redistribute_time``, in ``_edge_cost``). Graph outputs are edges into
@@ -101,6 +102,15 @@ _SCALE = 1e6  # seconds -> microseconds inside the ILP, to keep coefficients wel
 def _node_costs(space: StrategySpace, name: str, profile) -> list[float]:
     target = space.targets[name]
     strats = space.strategies[name]
+    if target == "placeholder" and space.roles[name] in ("input", "target"):
+        # the batch is read into device memory: each rank reads its local part
+        shape, dtype = space.shapes[name][0]
+        return [
+            math.prod(local_shape(shape, s.out[0], space.mesh.shape))
+            * dtype.itemsize
+            / profile.mem_bandwidth
+            for s in strats
+        ]
     if target == "placeholder" or not isinstance(target, torch._ops.OpOverload):
         return [0.0] * len(strats)
     args, kwargs = space.calls[name]

@@ -18,9 +18,14 @@ Where the strategies come from, per node kind:
         its single-dim strategy expanded to the mesh, given for each tensor argument the
         placements its producer may output. Only standard placement types survive
         (``_allowed``), and only shardings that divide every sharded dim (``_divides``).
+        ``_StridedShard`` is kept only on the views and batched matmuls of ``STRIDED_OPS``
+        (it is what lets attention keep heads sharded through [B, h, S, D] -> [B*h, S, D]);
+        offered everywhere it multiplies the strategy space several times over.
     operator with no tensor input (``arange``, ``full``, ...): replicated.
     operator with no rule: replicated, with a warning that names the op and the module path
         (``fallbacks``); the result is still correct, only slower.
+
+Tied parameters (one tensor under two names) are two graph inputs tied to one placement.
 
 Graph outputs (``Sink``): the loss must be ``Replicate`` (every rank returns the same loss);
 the gradient of a parameter must have the parameter's placement; a model output (no loss)
@@ -528,6 +533,9 @@ def build_strategies(step: StepGraph, mesh: Mesh, *, dmesh=None) -> StrategySpac
         for n in gm.graph.find_nodes(op="placeholder")
         if n.meta.get("autopar_role") == "param"
     }
+    for alias, first in step.alias_of.items():
+        if alias in param_node and first in param_node:
+            ties.append((param_node[first], param_node[alias]))
     for pos, a in enumerate(out_node.args[0]):
         if not isinstance(a, torch.fx.Node):
             continue

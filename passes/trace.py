@@ -72,6 +72,8 @@ class StepGraph:
         has_loss: the step returns a scalar loss (else the model outputs).
         n_outputs: how many plain (non-gradient) outputs the step returns.
         grad_of: output position -> parameter name whose gradient it is.
+        alias_of: for a tied parameter (one tensor under several names), each later name
+            -> the first name; both are graph inputs, and must be placed alike.
         trace_s: seconds spent tracing.
     """
 
@@ -84,6 +86,7 @@ class StepGraph:
     has_loss: bool
     n_outputs: int
     grad_of: dict[int, str] = field(default_factory=dict)
+    alias_of: dict[str, str] = field(default_factory=dict)
     trace_s: float = 0.0
 
     def placeholders(self) -> list[torch.fx.Node]:
@@ -225,6 +228,13 @@ def trace_step(
     from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 
     inputs, targets = _check_inputs(model, example_inputs, loss_fn, example_targets)
+    first_name: dict[int, str] = {}
+    alias_of: dict[str, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first_name:
+            alias_of[name] = first_name[id(p)]
+        else:
+            first_name[id(p)] = name
     if any(t.is_meta for t in list(model.parameters()) + list(inputs + targets)):
         model, inputs, targets = _meta_to_fake(model, inputs, targets)
     step = _Step(model, loss_fn, len(inputs))
@@ -310,5 +320,6 @@ def trace_step(
         has_loss=loss_fn is not None,
         n_outputs=n_outputs,
         grad_of=grad_of,
+        alias_of=alias_of,
         trace_s=trace_s,
     )

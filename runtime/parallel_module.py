@@ -32,7 +32,7 @@ class ParallelModule(nn.Module):
     """One rank's part of a model planned and compiled by ``autopar.compile``.
 
     ``parameters()`` yields the local shards, ``named_parameters()`` names them like the
-    original model with ``.`` written ``__``. ``gather_grads()`` and ``state_dict()`` return
+    original model with ``.`` written ``__`` (a tied parameter once, under its first name). ``gather_grads()`` and ``state_dict()`` return
     full tensors keyed by the original names.
     """
 
@@ -50,9 +50,12 @@ class ParallelModule(nn.Module):
         placements = plan.param_placements
         named = dict(model.named_parameters(remove_duplicate=False))
         named_buffers = dict(model.named_buffers(remove_duplicate=False))
+        self._alias_of = dict(step.alias_of)
         for name in self._param_names:
             full = named[name].detach()
             self._global_shapes[name] = full.shape
+            if name in self._alias_of:
+                continue  # a tied parameter: the first name's shard serves both
             local = distribute_tensor(full, device_mesh, placements[name], src_data_rank=None)
             self.register_parameter(_key(name), nn.Parameter(local.to_local().clone()))
         for name in self._buffer_names:
@@ -85,7 +88,7 @@ class ParallelModule(nn.Module):
                     f"argument {i} has shape {tuple(a.shape)}, but this rank's part is {want} "
                     f"(placements {ps}); pass pm.shard_inputs(*global_tensors)"
                 )
-        params = [getattr(self, _key(n)) for n in self._param_names]
+        params = [getattr(self, _key(self._alias_of.get(n, n))) for n in self._param_names]
         buffers = [getattr(self, _key(n)) for n in self._buffer_names]
         return self._fn(*params, *buffers, *args)
 
@@ -124,7 +127,7 @@ class ParallelModule(nn.Module):
         """``{original parameter name: full gradient}`` (None where there is no gradient)."""
         out = {}
         for name in self._param_names:
-            p = getattr(self, _key(name))
+            p = getattr(self, _key(self._alias_of.get(name, name)))
             out[name] = None if p.grad is None else self._full(name, p.grad.detach())
         return out
 
@@ -132,7 +135,8 @@ class ParallelModule(nn.Module):
         """Full parameters (and buffers) keyed by the original model's names."""
         out = OrderedDict()
         for name in self._param_names:
-            out[name] = self._full(name, getattr(self, _key(name)).detach())
+            local = getattr(self, _key(self._alias_of.get(name, name))).detach()
+            out[name] = self._full(name, local)
         for name in self._buffer_names:
             out[name] = getattr(self, _key(name)).detach().clone()
         return out
