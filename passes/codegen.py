@@ -33,7 +33,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._redistribute import redistribute_local_tensor
 from torch.utils._pytree import tree_flatten, tree_map
 
-from .strategies import local_shape, parse_placement
+from .strategies import contiguous_stride, local_shape, parse_placement
 from .trace import StepGraph
 
 __all__ = ["LocalStep", "build_local_graph", "compile_local_step", "count_collectives"]
@@ -53,19 +53,11 @@ class LocalStep:
     mismatches: list[str] = field(default_factory=list)
 
 
-def _contig(shape) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for s in reversed(shape):
-        stride.append(acc)
-        acc *= max(s, 1)
-    return tuple(reversed(stride))
-
-
 def _spec(dmesh, placements, val) -> DTensorSpec:
     return DTensorSpec(
         dmesh,
         tuple(placements),
-        tensor_meta=TensorMeta(val.shape, _contig(val.shape), val.dtype),
+        tensor_meta=TensorMeta(val.shape, contiguous_stride(val.shape), val.dtype),
     )
 
 
@@ -139,7 +131,12 @@ class _Localizer(torch.fx.Interpreter):
             if isinstance(v, torch.Tensor):
                 ps, val = next(it)
                 return DTensor.from_local(
-                    v, self.dmesh, ps, run_check=False, shape=val.shape, stride=_contig(val.shape)
+                    v,
+                    self.dmesh,
+                    ps,
+                    run_check=False,
+                    shape=val.shape,
+                    stride=contiguous_stride(val.shape),
                 )
             return v
 

@@ -52,6 +52,10 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.placement_types import _StridedShard
+from torch.utils._pytree import tree_map
+
 from autopar.cost_models import (
     Collective,
     collectives_time,
@@ -60,9 +64,6 @@ from autopar.cost_models import (
     redistribute_collectives,
     redistribute_time,
 )
-from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.placement_types import _StridedShard
-from torch.utils._pytree import tree_map
 
 from .strategies import Strategy, StrategySpace, TensorInput, local_shape
 

@@ -60,6 +60,7 @@ __all__ = [
     "Edge",
     "Sink",
     "TensorInput",
+    "contiguous_stride",
     "local_shape",
     "StrategySpace",
     "NoRuleWarning",
@@ -442,7 +443,9 @@ def build_strategies(step: StepGraph, mesh: Mesh, *, dmesh=None) -> StrategySpac
             if ps is None or ps in seen:
                 continue
             seen.add(ps)
-            meta = TensorMeta(torch.Size(shape_dtype[0]), _contig(shape_dtype[0]), shape_dtype[1])
+            meta = TensorMeta(
+                torch.Size(shape_dtype[0]), contiguous_stride(shape_dtype[0]), shape_dtype[1]
+            )
             specs.append(OpSpec(DTensorSpec(dmesh, ps, tensor_meta=meta)))
         return OpStrategy(specs)
 
@@ -561,7 +564,8 @@ def build_strategies(step: StepGraph, mesh: Mesh, *, dmesh=None) -> StrategySpac
     )
 
 
-def _contig(shape) -> tuple[int, ...]:
+def contiguous_stride(shape) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape``."""
     stride, acc = [], 1
     for s in reversed(shape):
         stride.append(acc)

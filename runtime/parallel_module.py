@@ -13,19 +13,13 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from autopar.passes.strategies import contiguous_stride, local_shape, parse_placement
+
 __all__ = ["ParallelModule"]
 
 
 def _key(name: str) -> str:
     return name.replace(".", "__")
-
-
-def _contig(shape) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for s in reversed(shape):
-        stride.append(acc)
-        acc *= max(s, 1)
-    return tuple(reversed(stride))
 
 
 class ParallelModule(nn.Module):
@@ -60,8 +54,6 @@ class ParallelModule(nn.Module):
             self.register_parameter(_key(name), nn.Parameter(local.to_local().clone()))
         for name in self._buffer_names:
             node = plan.buffers[name]
-            from autopar.passes.strategies import parse_placement
-
             ps = tuple(parse_placement(p) for p in plan.nodes[node].out[0])
             full = named_buffers[name].detach()
             local = distribute_tensor(full, device_mesh, ps, src_data_rank=None)
@@ -93,8 +85,6 @@ class ParallelModule(nn.Module):
         return self._fn(*params, *buffers, *args)
 
     def _local_input_shape(self, i: int) -> tuple[int, ...]:
-        from autopar.passes.strategies import local_shape
-
         mesh_shape = tuple(self.device_mesh.shape)
         return local_shape(self._input_shapes[i], self._input_placements[i], mesh_shape)
 
@@ -119,7 +109,7 @@ class ParallelModule(nn.Module):
             self.plan.param_placements[name],
             run_check=False,
             shape=shape,
-            stride=_contig(shape),
+            stride=contiguous_stride(shape),
         )
         return d.full_tensor()
 

@@ -9,6 +9,7 @@ model's dtype, so float64 cannot be tighter than float32 there).
 
 import pytest
 
+from autopar import Plan
 from autopar.verify import verify
 
 CASES = [
@@ -57,3 +58,7 @@ def test_zoo_matches_single_device(example, mesh, axes, dtype, fraction):
     # ... and the collectives it predicts are the ones the compiled step runs
     assert _on_gloo(r0.predicted) == r0.ran
     assert r0.mismatches == []
+    if example == "mlp":
+        # mse_loss has no sharding rule: replicated, said so, and still exact
+        plan = Plan.from_json(r0.plan_json)
+        assert any(w.startswith("aten.mse_loss.default (<top level>") for w in plan.warnings)

@@ -14,6 +14,9 @@ import operator
 
 import pytest
 import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
 from autopar.cost_models import (
     PROFILES,
     Collective,
@@ -28,9 +31,6 @@ from autopar.cost_models import (
     redistribute_collectives,
     redistribute_time,
 )
-from torch.distributed.tensor import Partial, Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
-
 from autopar.mesh import Mesh
 
 aten = torch.ops.aten

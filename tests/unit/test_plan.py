@@ -2,11 +2,11 @@ import warnings
 
 import pytest
 import torch
-from autopar.passes.solve import SolveError
 
 import autopar
 from autopar import Mesh, Plan
 from autopar.models import GPT, MLP, GPTConfig, cross_entropy_loss, mse_loss
+from autopar.passes.solve import SolveError
 
 
 def _gpt_plan(mesh, **kw):

@@ -3,6 +3,11 @@ import warnings
 
 import pytest
 import torch
+from torch import nn
+from torch.distributed.tensor import Partial, Shard
+
+from autopar import Mesh
+from autopar.models import GPT, MLP, GPTConfig, cross_entropy_loss, lm_batch, mse_loss
 from autopar.passes.strategies import (
     NoRuleWarning,
     build_strategies,
@@ -10,11 +15,6 @@ from autopar.passes.strategies import (
     placement_str,
 )
 from autopar.passes.trace import trace_step
-from torch import nn
-from torch.distributed.tensor import Partial, Shard
-
-from autopar import Mesh
-from autopar.models import GPT, MLP, GPTConfig, cross_entropy_loss, lm_batch, mse_loss
 
 
 def _space(model, inputs, loss_fn, targets, mesh):

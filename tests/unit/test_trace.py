@@ -2,10 +2,10 @@ import contextlib
 
 import pytest
 import torch
-from autopar.passes.trace import TraceError, trace_step
 from torch import nn
 
 from autopar.models import GPT, MLP, GPTConfig, cross_entropy_loss, lm_batch, mse_loss
+from autopar.passes.trace import TraceError, trace_step
 
 
 def _trace(model, inputs, loss_fn=None, targets=None):

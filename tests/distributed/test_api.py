@@ -1,0 +1,111 @@
+"""compile() on real gloo process groups: errors, saved plans, models without a loss."""
+
+import warnings
+
+import pytest
+import torch
+
+from autopar.runtime import run_local
+
+
+def _mesh_size_mismatch(rank, world):
+    from torch.distributed.device_mesh import DeviceMesh
+
+    import autopar
+    from autopar.models import MLP, mse_loss
+
+    mesh = DeviceMesh("cpu", torch.arange(4).view(2, 2), _init_backend=False, _rank=rank)
+    try:
+        autopar.compile(
+            MLP(),
+            mesh,
+            (torch.randn(4, 16),),
+            loss_fn=mse_loss,
+            example_targets=(torch.randn(4, 8),),
+        )
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.distributed
+def test_mesh_size_must_equal_world_size():
+    msgs = run_local(_mesh_size_mismatch, 2)
+    for msg in msgs:
+        assert "the mesh has 4 devices (2, 2) but the world size is 2" in msg
+
+
+def _outputs_without_loss(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import autopar
+    from autopar.models import GPT, GPTConfig, lm_batch
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(layers=1)
+    model = GPT(cfg).double()
+    tokens, _ = lm_batch(cfg.vocab, 8, cfg.seq)
+    ref = model(tokens)
+    full = sum(p.numel() * p.element_size() for p in model.parameters())
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = autopar.compile(model, mesh, (tokens,), memory_budget=4 * full * 0.6)
+    (local,) = pm.shard_inputs(tokens)
+    out = pm(local)
+    out.sum().backward()
+    # the local batch in, the local batch out
+    lo = rank * local.shape[0] if local.shape[0] < tokens.shape[0] else 0
+    want = ref[lo : lo + local.shape[0]]
+    return (out - want).abs().max().item(), tuple(out.shape), pm.plan.input_placements[0]
+
+
+@pytest.mark.distributed
+def test_model_without_loss_returns_local_outputs():
+    results = run_local(_outputs_without_loss, 2)
+    for err, shape, _ in results:
+        assert err < 1e-10
+        assert shape[1:] == (32, 128)
+
+
+def _saved_plan(rank, world, path):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import autopar
+    from autopar.models import EXAMPLES
+
+    torch.manual_seed(0)
+    model, inputs, loss_fn, targets = EXAMPLES["gpt"]()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = autopar.compile(
+            model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, plan=path
+        )
+    loss = pm(*pm.shard_inputs(*inputs, *targets))
+    return loss.item(), loss_fn(model(*inputs), *targets).item(), pm.plan.to_json()
+
+
+@pytest.mark.distributed
+def test_compile_runs_a_saved_plan(tmp_path):
+    import autopar
+    from autopar.models import EXAMPLES
+
+    torch.manual_seed(0)
+    model, inputs, loss_fn, targets = EXAMPLES["gpt"]()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = autopar.plan(
+            model,
+            autopar.Mesh((2,), ("dp",), device="cpu"),
+            inputs,
+            loss_fn=loss_fn,
+            example_targets=targets,
+            memory_budget=4 * 0.6 * sum(p.numel() * 4 for p in model.parameters()),
+        )
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    results = run_local(_saved_plan, 2, str(path))
+    for loss, ref, used in results:
+        assert loss == pytest.approx(ref, rel=1e-5)
+        assert used == plan.to_json()
