@@ -14,6 +14,7 @@ import logging
 import math
 import time
 import warnings
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -198,22 +199,34 @@ def _check_world(device_mesh) -> None:
 
 
 def _plan_on_rank0(step, amesh: Mesh, time_limit_s, memory_budget) -> Plan:
-    """Rank 0 plans, every rank receives the same plan (one solve, one answer)."""
-    import torch.distributed as dist
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    """Rank 0 plans, every rank receives the same plan (one solve, one answer).
 
-    box: list = [None]
+    The plan travels through the process group's store: the other ranks block on a socket
+    while rank 0 solves, instead of spinning in a collective and taking its CPU.
+    """
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    key = f"autopar/plan/{step.fingerprint()}/{_plan_on_rank0.calls}"
+    _plan_on_rank0.calls += 1
     if dist.get_rank() == 0:
         try:
-            box[0] = plan_step(step, amesh, time_limit_s=time_limit_s, memory_budget=memory_budget)
-            box[0] = box[0].to_json(timings=True)
-        except Exception as e:  # noqa: BLE001 - every rank must learn that planning failed
-            box[0] = e
-    with unset_fake_temporarily():
-        dist.broadcast_object_list(box, src=0)
-    if isinstance(box[0], Exception):
-        raise box[0]
-    return Plan.from_json(box[0])
+            text = plan_step(
+                step, amesh, time_limit_s=time_limit_s, memory_budget=memory_budget
+            ).to_json(timings=True)
+        except Exception as e:
+            store.set(key, "error:" + f"{type(e).__name__}: {e}")
+            raise
+        store.set(key, "plan:" + text)
+    else:
+        store.wait([key], timedelta(seconds=max(600.0, 4 * time_limit_s)))
+    value = store.get(key).decode()
+    if value.startswith("error:"):
+        raise RuntimeError(f"planning failed on rank 0: {value[len('error:') :]}")
+    return Plan.from_json(value[len("plan:") :])
+
+
+_plan_on_rank0.calls = 0
 
 
 def compile(  # noqa: A001 - the documented name

@@ -1,7 +1,7 @@
 """``Mesh``: the device mesh a plan is made for, without processes.
 
-A mesh is a shape (one size per axis), the axis names, and the name of a device profile
-(``cost_models.devices.PROFILES``). Axes are laid out row-major over the ranks, so the last
+A mesh is a shape (one size per axis), the axis names, the name of a device profile
+(``cost_models.devices.PROFILES``) and optionally how many ranks share a node. Axes are laid out row-major over the ranks, so the last
 axis is the innermost: its ranks are neighbours (same node), which is how the cost model
 decides which link an axis uses.
 """
@@ -22,13 +22,16 @@ class Mesh:
         shape: size of each mesh axis, e.g. ``(2, 4)``.
         axis_names: one name per axis, e.g. ``("dp", "tp")``.
         device: name of the device profile the cost model uses (``"h100"``, ``"cpu"``).
+        ranks_per_node: how many ranks share a node (fast links); None takes the
+            profile's. Axes whose groups span nodes use the inter-node link.
     """
 
     shape: tuple[int, ...]
     axis_names: tuple[str, ...]
     device: str = "h100"
+    ranks_per_node: int | None = None
 
-    def __init__(self, shape, axis_names=None, device: str = "h100"):
+    def __init__(self, shape, axis_names=None, device: str = "h100", ranks_per_node=None):
         shape = (shape,) if isinstance(shape, int) else tuple(int(s) for s in shape)
         if axis_names is None:
             axis_names = tuple(f"axis{i}" for i in range(len(shape)))
@@ -36,6 +39,9 @@ class Mesh:
         object.__setattr__(self, "shape", shape)
         object.__setattr__(self, "axis_names", axis_names)
         object.__setattr__(self, "device", str(device))
+        object.__setattr__(
+            self, "ranks_per_node", None if ranks_per_node is None else int(ranks_per_node)
+        )
         self.__post_init__()
 
     def __post_init__(self):
@@ -50,6 +56,8 @@ class Mesh:
             )
         if len(set(self.axis_names)) != len(self.axis_names):
             raise ValueError(f"mesh axis names must be distinct, got {self.axis_names}")
+        if self.ranks_per_node is not None and self.ranks_per_node < 1:
+            raise ValueError(f"ranks_per_node must be >= 1, got {self.ranks_per_node}")
 
     @property
     def ndim(self) -> int:
@@ -78,7 +86,12 @@ class Mesh:
 
     @classmethod
     def from_dict(cls, d: dict) -> Mesh:
-        return cls(tuple(d["shape"]), tuple(d["axis_names"]), d.get("device", "h100"))
+        return cls(
+            tuple(d["shape"]),
+            tuple(d["axis_names"]),
+            d.get("device", "h100"),
+            d.get("ranks_per_node"),
+        )
 
     @classmethod
     def from_device_mesh(cls, device_mesh, device: str | None = None) -> Mesh:
@@ -90,4 +103,5 @@ class Mesh:
 
     def __str__(self) -> str:
         axes = ", ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.shape))
-        return f"Mesh({axes}; {self.device})"
+        node = f", {self.ranks_per_node}/node" if self.ranks_per_node else ""
+        return f"Mesh({axes}; {self.device}{node})"

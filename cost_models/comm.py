@@ -115,13 +115,15 @@ def axis_link(mesh: Mesh, axis: int, profile: DeviceProfile | None = None) -> tu
     """``(latency_s, bandwidth_Bps)`` of the link the groups along mesh ``axis`` use.
 
     Intra-node when the axis and all axes inner to it fit in one node
-    (``prod(mesh.shape[axis:]) <= profile.ranks_per_node``), inter-node otherwise.
+    (``prod(mesh.shape[axis:]) <= ranks_per_node``), inter-node otherwise; ranks_per_node
+    is the mesh's own (``Mesh.ranks_per_node``) where it gives one, else the profile's.
     ``profile`` defaults to ``get_profile(mesh.device)``.
     """
     profile = profile if profile is not None else get_profile(mesh.device)
     if not 0 <= axis < mesh.ndim:
         raise IndexError(f"mesh {mesh} has axes 0..{mesh.ndim - 1}, got axis {axis}")
-    if math.prod(mesh.shape[axis:]) <= profile.ranks_per_node:
+    per_node = getattr(mesh, "ranks_per_node", None) or profile.ranks_per_node
+    if math.prod(mesh.shape[axis:]) <= per_node:
         return profile.intra_node_latency, profile.intra_node_bandwidth
     return profile.inter_node_latency, profile.inter_node_bandwidth
 

@@ -28,7 +28,10 @@ batch input: the time to read its local part, bytes / memory bandwidth)
 of the collectives that redistribute the tensor from p to q
 (``cost_models.comm.redistribute_time``, in ``_edge_cost``). Graph outputs are edges into
 fixed or tied placements (``Sink``): the loss into Replicate on every axis, a gradient into
-its parameter's placement. Since x is one-hot, the margins of each edge's e are one-hot,
+its parameter's placement. A gradient's reduction runs while the backward pass goes on
+(as DDP and FSDP overlap it), so its edge counts ``(1 - grad_overlap)`` of R(p, q)
+(``GRAD_OVERLAP`` = 0.75 by default): without it, a model whose gradients outweigh its
+activations would always put tensor parallelism on the slowest axis. Since x is one-hot, the margins of each edge's e are one-hot,
 which forces e to the single pair (p, q) chosen, so e needs no integrality.
 
 Simplifications (each loses optimality only in the case it names):
@@ -103,6 +106,7 @@ class Solution:
 
 
 STATE_COPIES = 4  # parameter + gradient + AdamW exp_avg + exp_avg_sq
+GRAD_OVERLAP = 0.75  # share of gradient-reduction time hidden behind backward compute
 MIP_GAP = 1e-3  # stop within 0.1% of the optimum
 _SCALE = 1e6  # seconds -> microseconds inside the ILP, to keep coefficients well scaled
 
@@ -210,6 +214,7 @@ def solve(
     solver: str | None = None,
     memory_budget: float | None = None,
     reshard_axes: int | None = 1,
+    grad_overlap: float = GRAD_OVERLAP,
 ) -> Solution:
     """Solve the ILP of the module docstring for ``space``.
 
@@ -217,7 +222,11 @@ def solve(
     two AdamW moments: ``STATE_COPIES`` times the local parameter bytes).
     ``reshard_axes``: the most mesh axes an edge between two operators may change at once
     (None: no limit); graph outputs may always change every axis.
+    ``grad_overlap``: the fraction of a gradient's reduction hidden behind the rest of the
+    backward pass (counted as ``1 - grad_overlap`` of its time).
     """
+    if not 0.0 <= grad_overlap < 1.0:
+        raise ValueError(f"grad_overlap must be in [0, 1), got {grad_overlap}")
     import os
 
     from ortools.linear_solver import pywraplp
@@ -279,7 +288,7 @@ def solve(
     edge_vars: list[tuple[str, object, object, object, float, tuple]] = []
     n_edge_vars = 0
 
-    def add_edge(label, src, src_out, dst_groups: dict, follow=False, max_axes=None):
+    def add_edge(label, src, src_out, dst_groups: dict, follow=False, max_axes=None, scale=1.0):
         nonlocal n_edge_vars
         shape_dtype = space.shapes[src][src_out]
         src_groups = out_group(src, src_out)
@@ -294,6 +303,7 @@ def solve(
                 c = _edge_cost(p, q, shape_dtype, mesh, profile)
                 if c is None:
                     continue
+                c *= scale
                 ev = lp.NumVar(0.0, 1.0, "")
                 n_edge_vars += 1
                 pair_vars_p[p].append(ev)
@@ -339,7 +349,8 @@ def solve(
                         coef[v] += c * _SCALE
                     edge_vars.append((label, xs, p, rep, c, shape_dtype))
             continue
-        add_edge(label, sink.src, sink.src_out, groups)
+        # a gradient's reduction overlaps the rest of the backward pass
+        add_edge(label, sink.src, sink.src_out, groups, scale=1.0 - grad_overlap)
     for a, b in space.ties:
         ga, gb = out_group(a, 0), out_group(b, 0)
         for q in set(ga) | set(gb):
