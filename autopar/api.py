@@ -41,7 +41,7 @@ def _op_name(target) -> str:
 
 
 def plan_step(
-    step, mesh: Mesh, *, time_limit_s: float = 120.0, memory_budget: float | None = None
+    step, mesh: Mesh, *, time_limit_s: float = 600.0, memory_budget: float | None = None
 ) -> Plan:
     """Plan an already traced step graph (strategies, then the ILP)."""
     from .passes.solve import solve
@@ -155,7 +155,7 @@ def plan(
     *,
     loss_fn=None,
     example_targets=None,
-    time_limit_s: float = 120.0,
+    time_limit_s: float = 600.0,
     memory_budget: float | None = None,
 ) -> Plan:
     """Plan ``model`` for ``mesh`` without processes or weights (a meta model works).
@@ -238,7 +238,7 @@ def compile(  # noqa: A001 - the documented name
     example_targets=None,
     plan: Plan | str | Path | None = None,
     device: str | None = None,
-    time_limit_s: float = 120.0,
+    time_limit_s: float = 600.0,
     memory_budget: float | None = None,
 ):
     """Plan ``model`` for the torch ``DeviceMesh`` ``mesh`` and return a ``ParallelModule``.

@@ -210,6 +210,7 @@ def build_local_graph(step: StepGraph, plan, dmesh) -> LocalStep:
 
 def compile_local_step(step: StepGraph, local: LocalStep):
     """Swap the local graph into aot_autograd's joint and compile forward and backward."""
+    from torch._functorch._aot_autograd.subclass_utils import create_subclass_meta
     from torch._functorch.aot_autograd import aot_compile_joint_with_descriptors
 
     jd = step.joint
@@ -224,7 +225,12 @@ def compile_local_step(step: StepGraph, local: LocalStep):
     tangents = new_args[len(jd._aot_state.flat_args) :]
     jd._aot_graph_capture.updated_flat_args = (flat, tangents)
     jd._aot_state.flat_args = flat
-    jd._aot_state.fw_metadata.traced_tangents = tangents
+    meta = jd._aot_state.fw_metadata
+    meta.traced_tangents = tangents
+    # the expected size and stride of each tangent are checked at backward time: local ones
+    meta.subclass_tangent_meta = create_subclass_meta(
+        tangents, count_symints=False, with_memory_format=True
+    )
     return aot_compile_joint_with_descriptors(jd)
 
 

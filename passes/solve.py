@@ -210,7 +210,7 @@ def _index_edges(space: StrategySpace) -> None:
 def solve(
     space: StrategySpace,
     *,
-    time_limit_s: float = 120.0,
+    time_limit_s: float = 600.0,
     solver: str | None = None,
     memory_budget: float | None = None,
     reshard_axes: int | None = 1,

@@ -82,3 +82,16 @@ def test_mesh_checks_itself():
     with pytest.raises(ValueError, match="distinct"):
         Mesh((2, 2), ("dp", "dp"))
     assert Mesh((2, 4), ("dp", "tp")).size == 8
+
+
+def test_mesh_ranks_per_node_puts_outer_axes_across_nodes():
+    from autopar.cost_models import axis_link, get_profile
+
+    h100 = get_profile("h100")
+    intra = (h100.intra_node_latency, h100.intra_node_bandwidth)
+    inter = (h100.inter_node_latency, h100.inter_node_bandwidth)
+    two_nodes = Mesh((2, 2), ("dp", "tp"), ranks_per_node=2)
+    assert axis_link(two_nodes, 1) == intra
+    assert axis_link(two_nodes, 0) == inter
+    assert axis_link(Mesh((2, 2), ("dp", "tp")), 0) == intra  # 8 H100s per node
+    assert Mesh.from_dict(two_nodes.to_dict()) == two_nodes
