@@ -82,6 +82,7 @@ class Mesh:
             "shape": list(self.shape),
             "axis_names": list(self.axis_names),
             "device": self.device,
+            "ranks_per_node": self.ranks_per_node,
         }
 
     @classmethod
