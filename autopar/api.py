@@ -93,7 +93,9 @@ def plan_step(
         outputs[sink.position] = rep if sink.like is None else nodes[sink.like].out[0]
 
     per_rank = total = 0
-    for node in params.values():
+    for name, node in params.items():
+        if name in step.alias_of:
+            continue  # a tied parameter is stored once
         val = next(n for n in step.placeholders() if n.name == node).meta["val"]
         nbytes = val.numel() * val.element_size()
         shards = math.prod(

@@ -56,6 +56,7 @@ earlier strategy by a tiny (1e-9 s) preference, so that the same problem gives t
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections import defaultdict
@@ -164,6 +165,23 @@ def _in_sources(space: StrategySpace, name: str) -> list[tuple[str, int]]:
     return space._in_sources[name]  # type: ignore[attr-defined]
 
 
+@contextlib.contextmanager
+def _quiet_stdout():
+    import os
+    import sys
+
+    sys.stdout.flush()
+    saved = os.dup(1)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(devnull)
+
+
 def _follows(space: StrategySpace, name: str) -> bool:
     """A node that only follows its single tensor input: a view, an elementwise op of one
     tensor, a getitem. Its strategy is a function of its input's placement."""
@@ -236,7 +254,8 @@ def solve(
     profile = get_profile(space.mesh.device)
     mesh = space.mesh
     _index_edges(space)
-    lp = pywraplp.Solver.CreateSolver(solver)
+    with _quiet_stdout():  # HiGHS prints a banner on stdout
+        lp = pywraplp.Solver.CreateSolver(solver)
     if lp is None:
         raise SolveError(f"OR-Tools has no {solver} solver in this build")
     lp.SetNumThreads(1)
@@ -358,7 +377,7 @@ def solve(
     if memory_budget is not None:
         terms = []
         for name in space.order:
-            if space.roles[name] != "param":
+            if space.roles[name] != "param" or name in space.aliases:
                 continue
             (shape, dtype) = space.shapes[name][0]
             for k, st in enumerate(space.strategies[name]):
@@ -373,7 +392,8 @@ def solve(
     lp.SetTimeLimit(int(time_limit_s * 1000))
     params = pywraplp.MPSolverParameters()
     params.SetDoubleParam(params.RELATIVE_MIP_GAP, MIP_GAP)
-    status = lp.Solve(params)
+    with _quiet_stdout():
+        status = lp.Solve(params)
     t_solved = time.perf_counter()
     if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
         hint = (

@@ -181,6 +181,7 @@ class StrategySpace:
         fallbacks: node name -> the warning given for an op without a rule.
         calls: node name -> (args, kwargs) of the op with its ``j``-th tensor input replaced
             by ``TensorInput(j)`` (what a cost model needs to price the op on local shapes).
+        aliases: placeholders of tied parameters other than the first (same memory).
     """
 
     mesh: Mesh
@@ -197,6 +198,7 @@ class StrategySpace:
     modules: dict[str, str] = field(default_factory=dict)
     fallbacks: dict[str, str] = field(default_factory=dict)
     calls: dict[str, tuple] = field(default_factory=dict)
+    aliases: set[str] = field(default_factory=set)
 
     def n_strategies(self) -> int:
         return sum(len(s) for s in self.strategies.values())
@@ -536,9 +538,11 @@ def build_strategies(step: StepGraph, mesh: Mesh, *, dmesh=None) -> StrategySpac
         for n in gm.graph.find_nodes(op="placeholder")
         if n.meta.get("autopar_role") == "param"
     }
+    aliases = set()
     for alias, first in step.alias_of.items():
         if alias in param_node and first in param_node:
             ties.append((param_node[first], param_node[alias]))
+            aliases.add(param_node[alias])
     for pos, a in enumerate(out_node.args[0]):
         if not isinstance(a, torch.fx.Node):
             continue
@@ -561,6 +565,7 @@ def build_strategies(step: StepGraph, mesh: Mesh, *, dmesh=None) -> StrategySpac
         modules=modules,
         fallbacks=fallbacks,
         calls=calls,
+        aliases=aliases,
     )
 
 

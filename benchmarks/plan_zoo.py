@@ -1,0 +1,71 @@
+"""Plan every zoo model on a few meshes and print a markdown table of the planning runs.
+
+    python benchmarks/plan_zoo.py [--device h100] [--memory-fraction 0.5]
+
+Models are built on the meta device (no weights). Columns: problem size (graph nodes,
+candidate strategies, ILP variables), seconds spent tracing and searching (everything after
+tracing up to the plan), the estimated step time and the collectives per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import warnings
+
+import torch
+
+import autopar
+from autopar.cli import _to_meta
+from autopar.models import EXAMPLES
+
+MESHES = [((2,), ("dp",)), ((4,), ("dp",)), ((2, 2), ("dp", "tp"))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="h100")
+    ap.add_argument("--memory-fraction", type=float, default=None)
+    ap.add_argument("--models", default=",".join(EXAMPLES))
+    args = ap.parse_args()
+    print(
+        f"machine: {platform.machine()}, {torch.get_num_threads()} threads; "
+        f"torch {torch.__version__}; profile {args.device}; "
+        f"memory fraction {args.memory_fraction}"
+    )
+    print()
+    print(
+        "| model | mesh | nodes | strategies | variables | trace s | search s | est. step ms | collectives/step |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name in args.models.split(","):
+        for shape, axes in MESHES:
+            model, inputs, loss_fn, targets = EXAMPLES[name]()
+            budget = None
+            if args.memory_fraction:
+                full = sum(p.numel() * p.element_size() for p in model.parameters())
+                budget = 4 * full * args.memory_fraction
+            model, inputs, targets = _to_meta(model, inputs, targets)
+            mesh = autopar.Mesh(shape, axes, device=args.device)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                plan = autopar.plan(
+                    model,
+                    mesh,
+                    inputs,
+                    loss_fn=loss_fn,
+                    example_targets=targets,
+                    memory_budget=budget,
+                )
+            st = plan.stats
+            n_coll = sum(plan.collective_counts().values())
+            print(
+                f"| {name} | {'x'.join(map(str, shape))} | {st['nodes']} | {st['strategies']} "
+                f"| {st['variables']} | {st['trace_s']:.2f} | {st['search_s']:.2f} "
+                f"| {plan.cost['total_s'] * 1e3:.3f} | {n_coll} |",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
