@@ -16,7 +16,7 @@ import argparse
 import sys
 import warnings
 
-__all__ = ["main"]
+__all__ = ["main", "plan_example"]
 
 
 def _mesh_shape(text: str) -> tuple[int, ...]:
@@ -41,32 +41,51 @@ def _axes(shape, text: str | None) -> tuple[str, ...]:
     return names
 
 
-def _to_meta(model, inputs, targets):
+def plan_example(
+    name: str,
+    mesh,
+    *,
+    batch: int = 8,
+    memory_budget: float | None = None,
+    memory_fraction: float | None = None,
+    verbose: bool = False,
+):
+    """Plan a zoo example (or ``file.py:factory``) on the meta device for ``mesh``.
 
-    model = model.to("meta")
-    return model, tuple(t.to("meta") for t in inputs), tuple(t.to("meta") for t in targets)
-
-
-def cmd_plan(args) -> int:
+    ``memory_fraction`` sets the memory budget to that fraction of the whole model's
+    parameter state (parameters, gradients, AdamW moments).
+    """
     import autopar
     from autopar.verify import resolve_example
 
-    factory = resolve_example(args.model)
-    model, inputs, loss_fn, targets = factory(batch=args.batch)
-    model, inputs, targets = _to_meta(model, inputs, targets)
-    shape = args.mesh
-    mesh = autopar.Mesh(shape, _axes(shape, args.axes), device=args.device)
-    budget = args.memory_budget_mib * 2**20 if args.memory_budget_mib else None
+    model, inputs, loss_fn, targets = resolve_example(name)(batch=batch)
+    if memory_fraction is not None:
+        full = sum(p.numel() * p.element_size() for p in model.parameters())
+        memory_budget = 4 * full * memory_fraction
+    model = model.to("meta")
+    inputs = tuple(t.to("meta") for t in inputs)
+    targets = tuple(t.to("meta") for t in targets)
     with warnings.catch_warnings():
-        warnings.simplefilter("default" if args.verbose else "ignore")
-        plan = autopar.plan(
+        warnings.simplefilter("default" if verbose else "ignore")
+        return autopar.plan(
             model,
             mesh,
             inputs,
             loss_fn=loss_fn,
             example_targets=targets,
-            memory_budget=budget,
+            memory_budget=memory_budget,
         )
+
+
+def cmd_plan(args) -> int:
+    import autopar
+
+    shape = args.mesh
+    mesh = autopar.Mesh(shape, _axes(shape, args.axes), device=args.device)
+    budget = args.memory_budget_mib * 2**20 if args.memory_budget_mib else None
+    plan = plan_example(
+        args.model, mesh, batch=args.batch, memory_budget=budget, verbose=args.verbose
+    )
     print(plan.summary())
     if args.out:
         plan.save(args.out)

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import argparse
 import platform
-import warnings
 
 import torch
 
 import autopar
-from autopar.cli import _to_meta
+from autopar.cli import plan_example
 from autopar.models import EXAMPLES
 
 MESHES = [((2,), ("dp",)), ((4,), ("dp",)), ((2, 2), ("dp", "tp"))]
@@ -40,23 +39,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     for name in args.models.split(","):
         for shape, axes in MESHES:
-            model, inputs, loss_fn, targets = EXAMPLES[name]()
-            budget = None
-            if args.memory_fraction:
-                full = sum(p.numel() * p.element_size() for p in model.parameters())
-                budget = 4 * full * args.memory_fraction
-            model, inputs, targets = _to_meta(model, inputs, targets)
             mesh = autopar.Mesh(shape, axes, device=args.device)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                plan = autopar.plan(
-                    model,
-                    mesh,
-                    inputs,
-                    loss_fn=loss_fn,
-                    example_targets=targets,
-                    memory_budget=budget,
-                )
+            plan = plan_example(name, mesh, memory_fraction=args.memory_fraction)
             st = plan.stats
             n_coll = sum(plan.collective_counts().values())
             print(
