@@ -39,7 +39,6 @@ import itertools
 import logging
 import math
 import operator
-import os
 import warnings
 from dataclasses import dataclass, field
 
@@ -71,7 +70,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-_STRIDED = os.environ.get("AUTOPAR_STRIDED", "1") == "1"
 
 Placements = tuple[Placement, ...]
 
@@ -219,7 +217,7 @@ def planning_device_mesh(mesh: Mesh):
 
 
 def _allowed(p: Placement) -> bool:
-    if type(p) in (Shard, Replicate) or (type(p) is _StridedShard and _STRIDED):
+    if type(p) in (Shard, Replicate, _StridedShard):
         return True
     return type(p) is Partial and p.reduce_op in ("sum", "avg")
 
