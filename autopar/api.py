@@ -10,6 +10,7 @@ time in ``plan.stats``:
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import math
 import time
@@ -96,8 +97,8 @@ def plan_step(
     for name, node in params.items():
         if name in step.alias_of:
             continue  # a tied parameter is stored once
-        val = next(n for n in step.placeholders() if n.name == node).meta["val"]
-        nbytes = val.numel() * val.element_size()
+        shape, dtype = space.shapes[node][0]
+        nbytes = math.prod(shape) * dtype.itemsize
         shards = math.prod(
             size for size, p in zip(mesh.shape, nodes[node].out[0]) if p.startswith("S")
         )
@@ -200,6 +201,9 @@ def _check_world(device_mesh) -> None:
         )
 
 
+_PLAN_KEYS = itertools.count()  # every rank compiles in the same order: same keys
+
+
 def _plan_on_rank0(step, amesh: Mesh, time_limit_s, memory_budget) -> Plan:
     """Rank 0 plans, every rank receives the same plan (one solve, one answer).
 
@@ -209,8 +213,7 @@ def _plan_on_rank0(step, amesh: Mesh, time_limit_s, memory_budget) -> Plan:
     import torch.distributed as dist
 
     store = dist.distributed_c10d._get_default_store()
-    key = f"autopar/plan/{step.fingerprint()}/{_plan_on_rank0.calls}"
-    _plan_on_rank0.calls += 1
+    key = f"autopar/plan/{step.fingerprint()}/{next(_PLAN_KEYS)}"
     if dist.get_rank() == 0:
         try:
             text = plan_step(
@@ -226,9 +229,6 @@ def _plan_on_rank0(step, amesh: Mesh, time_limit_s, memory_budget) -> Plan:
     if value.startswith("error:"):
         raise RuntimeError(f"planning failed on rank 0: {value[len('error:') :]}")
     return Plan.from_json(value[len("plan:") :])
-
-
-_plan_on_rank0.calls = 0
 
 
 def compile(  # noqa: A001 - the documented name

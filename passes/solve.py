@@ -128,7 +128,7 @@ def _node_costs(space: StrategySpace, name: str, profile) -> list[float]:
     if target == "placeholder" or not isinstance(target, torch._ops.OpOverload):
         return [0.0] * len(strats)
     args, kwargs = space.calls[name]
-    in_shapes = [space.shapes[src][src_out] for src, src_out in _in_sources(space, name)]
+    in_shapes = [space.shapes[src][src_out] for src, src_out in space.in_sources[name]]
     outs = space.shapes[name]
     dtype = next((sd[1] for sd in outs if sd is not None), torch.float32)
     mesh_shape = space.mesh.shape
@@ -160,10 +160,6 @@ def _node_costs(space: StrategySpace, name: str, profile) -> list[float]:
         cache[key] = c
         costs.append(c)
     return costs
-
-
-def _in_sources(space: StrategySpace, name: str) -> list[tuple[str, int]]:
-    return space._in_sources[name]  # type: ignore[attr-defined]
 
 
 @contextlib.contextmanager
@@ -198,7 +194,7 @@ def _merge_source(space: StrategySpace, name: str) -> tuple[str, int] | None:
         return None
     if not _follows(space, name):
         return None
-    srcs = space._in_sources[name]  # type: ignore[attr-defined]
+    srcs = space.in_sources[name]
     return srcs[0] if len(srcs) == 1 else None
 
 
@@ -213,17 +209,6 @@ def _edge_cost(src_ps, dst_ps, shape_dtype, mesh, profile) -> float | None:
         return redistribute_time(src_ps, dst_ps, shape_dtype[0], shape_dtype[1], mesh, profile)
     except ValueError:
         return None
-
-
-def _index_edges(space: StrategySpace) -> None:
-    ins = defaultdict(list)
-    for e in space.edges:
-        ins[e.dst].append((e.dst_in, e.src, e.src_out))
-    space._in_sources = {  # type: ignore[attr-defined]
-        n: [(src, so) for _, src, so in sorted(v)] for n, v in ins.items()
-    }
-    for n in space.order:
-        space._in_sources.setdefault(n, [])  # type: ignore[attr-defined]
 
 
 def solve(
@@ -254,7 +239,6 @@ def solve(
     t0 = time.perf_counter()
     profile = get_profile(space.mesh.device)
     mesh = space.mesh
-    _index_edges(space)
     with _quiet_stdout():  # HiGHS prints a banner on stdout
         lp = pywraplp.Solver.CreateSolver(solver)
     if lp is None:
@@ -351,16 +335,10 @@ def solve(
     rep = (Replicate(),) * mesh.ndim
     for sink in space.sinks:
         if sink.like is None:
-            groups = {rep: []}
+            # a fixed target (the loss: Replicate): priced on the producer's variables
             label = f"{sink.src}->output[{sink.position}]"
-        else:
-            groups = out_group(sink.like, 0)
-            label = f"{sink.src}->output[{sink.position}] (as {sink.like})"
-        if sink.like is None:
-            # a fixed target: the pair variables must sum to 1 on the Replicate side
             shape_dtype = space.shapes[sink.src][sink.src_out]
-            src_groups = out_group(sink.src, sink.src_out)
-            for p, xs in src_groups.items():
+            for p, xs in out_group(sink.src, sink.src_out).items():
                 c = _edge_cost(p, rep, shape_dtype, mesh, profile)
                 if c is None:
                     lp.Add(sum(xs) == 0)
@@ -369,8 +347,10 @@ def solve(
                         coef[v] += c * _SCALE
                     edge_vars.append((label, xs, p, rep, c, shape_dtype))
             continue
+        label = f"{sink.src}->output[{sink.position}] (as {sink.like})"
         # a gradient's reduction overlaps the rest of the backward pass
-        add_edge(label, sink.src, sink.src_out, groups, scale=1.0 - grad_overlap)
+        scale = 1.0 - grad_overlap if space.roles[sink.like] == "param" else 1.0
+        add_edge(label, sink.src, sink.src_out, out_group(sink.like, 0), scale=scale)
     for a, b in space.ties:
         ga, gb = out_group(a, 0), out_group(b, 0)
         for q in set(ga) | set(gb):

@@ -35,6 +35,7 @@ must have the placement of the first input (the local batch in, the local batch 
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import math
@@ -197,6 +198,14 @@ class StrategySpace:
     fallbacks: dict[str, str] = field(default_factory=dict)
     calls: dict[str, tuple] = field(default_factory=dict)
     aliases: set[str] = field(default_factory=set)
+
+    @functools.cached_property
+    def in_sources(self) -> dict[str, list[tuple[str, int]]]:
+        """Node name -> (producer, output index) of each of its tensor inputs, in order."""
+        ins: dict[str, list] = {n: [] for n in self.order}
+        for e in self.edges:
+            ins[e.dst].append((e.dst_in, e.src, e.src_out))
+        return {n: [(src, so) for _, src, so in sorted(v)] for n, v in ins.items()}
 
     def n_strategies(self) -> int:
         return sum(len(s) for s in self.strategies.values())

@@ -20,6 +20,10 @@ Node meta written here (read by later passes):
     ``autopar_module`` the module path of the original model the node came from
                        (backward nodes inherit their forward node's path), "" at the top.
 
+A model on the meta device is traced as fake CPU tensors (``_meta_to_fake``); shape
+assertions of the global graph are dropped (``_drop_asserts``: no rank holds global shapes);
+a parameter tied under two names is two graph inputs, recorded in ``StepGraph.alias_of``.
+
 The export needs an open ``contextlib.ExitStack`` (aot_autograd's fake mode and tracing
 context live in it): compile the graph before the stack closes.
 """

@@ -26,8 +26,8 @@ class ParallelModule(nn.Module):
     """One rank's part of a model planned and compiled by ``autopar.compile``.
 
     ``parameters()`` yields the local shards, ``named_parameters()`` names them like the
-    original model with ``.`` written ``__`` (a tied parameter once, under its first name). ``gather_grads()`` and ``state_dict()`` return
-    full tensors keyed by the original names.
+    original model with ``.`` written ``__`` (a tied parameter once, under its first name).
+    ``gather_grads()`` and ``state_dict()`` return full tensors keyed by the original names.
     """
 
     def __init__(self, model: nn.Module, plan, device_mesh, compiled_fn, step, local):
@@ -41,7 +41,7 @@ class ParallelModule(nn.Module):
         self._buffer_names = list(step.buffer_names)
         self._n_args = step.n_inputs + (step.n_targets if step.has_loss else 0)
         self._global_shapes: dict[str, torch.Size] = {}
-        placements = plan.param_placements
+        self._placements = placements = plan.param_placements
         named = dict(model.named_parameters(remove_duplicate=False))
         named_buffers = dict(model.named_buffers(remove_duplicate=False))
         self._alias_of = dict(step.alias_of)
@@ -80,9 +80,13 @@ class ParallelModule(nn.Module):
                     f"argument {i} has shape {tuple(a.shape)}, but this rank's part is {want} "
                     f"(placements {ps}); pass pm.shard_inputs(*global_tensors)"
                 )
-        params = [getattr(self, _key(self._alias_of.get(n, n))) for n in self._param_names]
+        params = [self._shard(n) for n in self._param_names]
         buffers = [getattr(self, _key(n)) for n in self._buffer_names]
         return self._fn(*params, *buffers, *args)
+
+    def _shard(self, name: str) -> nn.Parameter:
+        """This rank's shard of parameter ``name`` (a tied name gives its first name's)."""
+        return getattr(self, _key(self._alias_of.get(name, name)))
 
     def _local_input_shape(self, i: int) -> tuple[int, ...]:
         mesh_shape = tuple(self.device_mesh.shape)
@@ -106,7 +110,7 @@ class ParallelModule(nn.Module):
         d = DTensor.from_local(
             local,
             self.device_mesh,
-            self.plan.param_placements[name],
+            self._placements[name],
             run_check=False,
             shape=shape,
             stride=contiguous_stride(shape),
@@ -117,7 +121,7 @@ class ParallelModule(nn.Module):
         """``{original parameter name: full gradient}`` (None where there is no gradient)."""
         out = {}
         for name in self._param_names:
-            p = getattr(self, _key(self._alias_of.get(name, name)))
+            p = self._shard(name)
             out[name] = None if p.grad is None else self._full(name, p.grad.detach())
         return out
 
@@ -125,8 +129,7 @@ class ParallelModule(nn.Module):
         """Full parameters (and buffers) keyed by the original model's names."""
         out = OrderedDict()
         for name in self._param_names:
-            local = getattr(self, _key(self._alias_of.get(name, name))).detach()
-            out[name] = self._full(name, local)
+            out[name] = self._full(name, self._shard(name).detach())
         for name in self._buffer_names:
             out[name] = getattr(self, _key(name)).detach().clone()
         return out
