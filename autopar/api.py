@@ -3,7 +3,8 @@
 The driver runs the pipeline of DESIGN.md, one pass after another, and records each stage's
 time in ``plan.stats``:
 
-    trace (passes/trace) -> strategies (passes/strategies) -> solve (passes/solve)
+    trace (passes/trace) -> fold (passes/fold) -> strategies (passes/strategies)
+        -> solve (passes/solve)
         -> Plan -> codegen (passes/codegen) -> ParallelModule (runtime/)
 """
 
@@ -42,16 +43,26 @@ def _op_name(target) -> str:
 
 
 def plan_step(
-    step, mesh: Mesh, *, time_limit_s: float = 600.0, memory_budget: float | None = None
+    step,
+    mesh: Mesh,
+    *,
+    time_limit_s: float = 600.0,
+    memory_budget: float | None = None,
+    fold: bool = True,
 ) -> Plan:
-    """Plan an already traced step graph (strategies, then the ILP)."""
+    """Plan an already traced step graph (folding, strategies, then the ILP)."""
+    from .passes.fold import fold_regions
     from .passes.solve import solve
     from .passes.strategies import build_strategies, placement_str
 
     t0 = time.perf_counter()
+    folded = fold_regions(step) if fold else None
+    t_fold = time.perf_counter()
+    if folded is not None:
+        log.info("autopar: %s", folded.report())
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        space = build_strategies(step, mesh)
+        space = build_strategies(step, mesh, folded=folded)
     for w in caught:
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     t1 = time.perf_counter()
@@ -121,9 +132,15 @@ def plan_step(
     stats = dict(sol.stats)
     stats.update(
         trace_s=step.trace_s,
-        strategies_s=t1 - t0,
+        fold_s=t_fold - t0,
+        strategies_s=t1 - t_fold,
         search_s=t2 - t0,
         param_shapes=param_shapes,
+        fold=folded is not None,
+        fold_groups=[
+            {"regions": g.name(), "instances": len(g.instances), "nodes": g.nodes}
+            for g in (folded.groups if folded is not None else ())
+        ],
     )
     import autopar
 
@@ -160,10 +177,13 @@ def plan(
     example_targets=None,
     time_limit_s: float = 600.0,
     memory_budget: float | None = None,
+    fold: bool = True,
 ) -> Plan:
     """Plan ``model`` for ``mesh`` without processes or weights (a meta model works).
 
     ``memory_budget``: bytes per rank for parameters, gradients and AdamW state.
+    ``fold``: give the instances of a repeated layer one set of choices (passes/fold);
+    False plans every node on its own (slower, for comparison).
     """
     from .passes.trace import trace_step
 
@@ -176,7 +196,9 @@ def plan(
         step = trace_step(
             model, example_inputs, loss_fn=loss_fn, example_targets=example_targets, stack=stack
         )
-        return plan_step(step, mesh, time_limit_s=time_limit_s, memory_budget=memory_budget)
+        return plan_step(
+            step, mesh, time_limit_s=time_limit_s, memory_budget=memory_budget, fold=fold
+        )
 
 
 def _check_world(device_mesh) -> None:
@@ -204,7 +226,7 @@ def _check_world(device_mesh) -> None:
 _PLAN_KEYS = itertools.count()  # every rank compiles in the same order: same keys
 
 
-def _plan_on_rank0(step, amesh: Mesh, time_limit_s, memory_budget) -> Plan:
+def _plan_on_rank0(step, amesh: Mesh, time_limit_s, memory_budget, fold) -> Plan:
     """Rank 0 plans, every rank receives the same plan (one solve, one answer).
 
     The plan travels through the process group's store: the other ranks block on a socket
@@ -217,7 +239,7 @@ def _plan_on_rank0(step, amesh: Mesh, time_limit_s, memory_budget) -> Plan:
     if dist.get_rank() == 0:
         try:
             text = plan_step(
-                step, amesh, time_limit_s=time_limit_s, memory_budget=memory_budget
+                step, amesh, time_limit_s=time_limit_s, memory_budget=memory_budget, fold=fold
             ).to_json(timings=True)
         except Exception as e:
             store.set(key, "error:" + f"{type(e).__name__}: {e}")
@@ -242,6 +264,7 @@ def compile(  # noqa: A001 - the documented name
     device: str | None = None,
     time_limit_s: float = 600.0,
     memory_budget: float | None = None,
+    fold: bool = True,
 ):
     """Plan ``model`` for the torch ``DeviceMesh`` ``mesh`` and return a ``ParallelModule``.
 
@@ -250,7 +273,7 @@ def compile(  # noqa: A001 - the documented name
     ``pm(*local_inputs)`` returns the outputs of the local batch. ``plan`` (a ``Plan`` or the
     path of its JSON) skips planning. ``device`` names the cost profile (default: h100 on
     cuda, cpu otherwise). ``memory_budget``: bytes per rank for parameters, gradients and
-    AdamW state.
+    AdamW state. ``fold``: as in ``plan``.
     """
     from .passes.codegen import build_local_graph, compile_local_step
     from .passes.trace import trace_step
@@ -270,7 +293,7 @@ def compile(  # noqa: A001 - the documented name
             model, example_inputs, loss_fn=loss_fn, example_targets=example_targets, stack=stack
         )
         if plan is None:
-            plan = _plan_on_rank0(step, amesh, time_limit_s, memory_budget)
+            plan = _plan_on_rank0(step, amesh, time_limit_s, memory_budget, fold)
         else:
             if plan.fingerprint != step.fingerprint():
                 raise PlanMismatchError(

@@ -49,6 +49,7 @@ def plan_example(
     memory_budget: float | None = None,
     memory_fraction: float | None = None,
     verbose: bool = False,
+    fold: bool = True,
 ):
     """Plan a zoo example (or ``file.py:factory``) on the meta device for ``mesh``.
 
@@ -74,6 +75,7 @@ def plan_example(
             loss_fn=loss_fn,
             example_targets=targets,
             memory_budget=memory_budget,
+            fold=fold,
         )
 
 
@@ -84,7 +86,12 @@ def cmd_plan(args) -> int:
     mesh = autopar.Mesh(shape, _axes(shape, args.axes), device=args.device)
     budget = args.memory_budget_mib * 2**20 if args.memory_budget_mib else None
     plan = plan_example(
-        args.model, mesh, batch=args.batch, memory_budget=budget, verbose=args.verbose
+        args.model,
+        mesh,
+        batch=args.batch,
+        memory_budget=budget,
+        verbose=args.verbose,
+        fold=not args.no_fold,
     )
     print(plan.summary())
     if args.out:
@@ -151,6 +158,9 @@ def main(argv=None) -> int:
         type=float,
         default=None,
         help="per-rank budget for parameters, gradients and AdamW state",
+    )
+    pp.add_argument(
+        "--no-fold", action="store_true", help="plan every layer on its own (no folding)"
     )
     pp.add_argument("--out", default=None, help="write the plan's JSON here")
     pp.add_argument("-v", "--verbose", action="store_true", help="show warnings")

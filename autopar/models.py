@@ -10,6 +10,11 @@ Shapes: B batch, S sequence, H hidden, V vocab, F feed-forward width.
 
 ``EXAMPLES`` maps the names the CLI accepts to factories returning
 ``(model, example_inputs, loss_fn, example_targets)``.
+
+At scale, for planning only (built on the meta device, no weights): ``llama3_8b`` (Llama-3-8B:
+32 layers, hidden 4096, ffn 14336, 32 heads, 8 kv heads, vocab 128256) and ``gpt3`` (a
+GPT-3-175B-like decoder: 96 layers, hidden 12288, 96 heads, ffn 49152); both at sequence
+2048, batch 8 (examples ``llama3-8b`` and ``gpt3``).
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ __all__ = [
     "hf_gpt2",
     "hf_llama",
     "lm_batch",
+    "llama3_8b",
+    "gpt3",
 ]
 
 
@@ -204,9 +211,36 @@ def _hf_llama_example(batch: int = 8):
     return hf_llama(), (tokens,), hf_logits_loss, (targets,)
 
 
+def llama3_8b(layers: int = 32, seq: int = 2048) -> nn.Module:
+    """Llama-3-8B's shapes (Hugging Face Llama) on the meta device."""
+    with torch.device("meta"):
+        return hf_llama(
+            layers=layers, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256, seq=seq
+        )
+
+
+def gpt3(layers: int = 96, seq: int = 2048) -> nn.Module:
+    """A GPT-3-175B-like decoder (vocab padded to 50304) on the meta device."""
+    cfg = GPTConfig(vocab=50304, seq=seq, hidden=12288, heads=96, layers=layers, ffn=49152)
+    with torch.device("meta"):
+        return GPT(cfg)
+
+
+def _llama3_8b_example(batch: int = 8):
+    tokens, targets = lm_batch(128256, batch, 2048, device="meta")
+    return llama3_8b(), (tokens,), hf_logits_loss, (targets,)
+
+
+def _gpt3_example(batch: int = 8):
+    tokens, targets = lm_batch(50304, batch, 2048, device="meta")
+    return gpt3(), (tokens,), cross_entropy_loss, (targets,)
+
+
 EXAMPLES = {
     "mlp": _mlp_example,
     "gpt": _gpt_example,
     "hf-gpt2": _hf_gpt2_example,
     "hf-llama": _hf_llama_example,
+    "llama3-8b": _llama3_8b_example,
+    "gpt3": _gpt3_example,
 }

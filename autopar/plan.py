@@ -175,8 +175,24 @@ class Plan:
             f"{st.get('variables', '?')} variables, {st.get('constraints', '?')} constraints; "
             f"solver {st.get('solver', '?')} {st.get('status', '?')}"
         )
+        if st.get("fold"):
+            groups = st.get("fold_groups", [])
+            lines.append(
+                f"folded: {st.get('solver_nodes', '?')} of {st.get('nodes', '?')} nodes solved; "
+                + (
+                    "; ".join(
+                        f"{g['instances']} x {g['nodes']} nodes {g['regions']}" for g in groups
+                    )
+                    or "no repeated regions"
+                )
+            )
         if "trace_s" in st:
-            lines.append(f"time: trace {st['trace_s']:.2f} s, search {st.get('search_s', 0):.2f} s")
+            lines.append(
+                f"time: trace {st['trace_s']:.2f} s, search {st.get('search_s', 0):.2f} s "
+                f"(fold {st.get('fold_s', 0):.2f}, strategies {st.get('strategies_s', 0):.2f}, "
+                f"costs {st.get('cost_s', 0):.2f}, ILP build {st.get('build_s', 0):.2f}, "
+                f"solve {st.get('solve_s', 0):.2f})"
+            )
         for w in self.warnings:
             lines.append(f"warning: {w}")
         return "\n".join(lines)

@@ -16,7 +16,6 @@ import torch
 
 import autopar
 from autopar.cli import plan_example
-from autopar.models import EXAMPLES
 
 MESHES = [((2,), ("dp",)), ((4,), ("dp",)), ((2, 2), ("dp", "tp"))]
 
@@ -25,7 +24,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="h100")
     ap.add_argument("--memory-fraction", type=float, default=None)
-    ap.add_argument("--models", default=",".join(EXAMPLES))
+    ap.add_argument("--models", default="mlp,gpt,hf-gpt2,hf-llama")
     args = ap.parse_args()
     print(
         f"machine: {platform.machine()}, {torch.get_num_threads()} threads; "

@@ -34,14 +34,31 @@ its parameter's placement. A gradient's reduction runs while the backward pass g
 activations would always put tensor parallelism on the slowest axis. Since x is one-hot, the margins of each edge's e are one-hot,
 which forces e to the single pair (p, q) chosen, so e needs no integrality.
 
+Folding (passes/fold, ``StrategySpace.rep``): the instances of a folded region take their
+representative's strategy, so only representatives have variables. With r(v) the
+representative of v:
+
+    x[v,k] = x[r(v),k]
+    C[r,k] is counted n_r times, n_r = |{v : r(v) = r}|
+    an edge u->v becomes the edge r(u)->r(v); the m graph edges that map onto one such edge
+        (the same edge in every layer, the edge from one layer into the next, the edges
+        from one shared producer into every layer) share its variables e and count m times
+    memory: sum over parameters v of 4 * bytes(v, k) x[r(v),k]; ties between representatives
+
+so the objective is still that of the whole graph, for plans in which every instance does
+as its representative. Unfolded, r is the identity and this is the ILP above.
+
 Simplifications (each loses optimality only in the case it names):
     1. Following nodes (Alpa's): a node that only follows its single tensor input (a view,
        an elementwise op of one tensor, a getitem: ``_follows``) is not resharded right
        before it when it accepts its producer's placement: pairs (p, q != p) are left out.
        Where it accepts every placement its producer can give, it is merged into the
-       producer (``_merge_source``): no variables and no edge of its own,
+       producer (``merge_source`` in ``solve``): no variables and no edge of its own,
        x[v,k] = Y[u, ins_k], and C[v,k] is added to the producer's variables that give
-       ins_k. Loses where resharding right before such a node beats resharding later.
+       ins_k (folded: when every instance of v follows an instance of one representative
+       u). Loses where resharding right before such a node beats resharding later; on the
+       zoo's GPT (2 layers, (2, 2), H100) both give the same objective
+       (tests/unit/test_fold.py::test_merging_following_nodes_keeps_the_optimum).
     2. One axis per edge: an edge between two operators changes the placement on at most
        ``reshard_axes`` mesh axes (default 1); pairs differing on more axes are left out
        (graph outputs, e.g. a gradient all-reduced over every axis, keep all pairs). On a
@@ -188,16 +205,6 @@ def _follows(space: StrategySpace, name: str) -> bool:
     return len({s.ins[0] for s in strats}) == len(strats)
 
 
-def _merge_source(space: StrategySpace, name: str) -> tuple[str, int] | None:
-    """The (producer, output) a following node is merged into, or None."""
-    if space.roles.get(name) in ("param", "buffer", "input", "target", "tangent"):
-        return None
-    if not _follows(space, name):
-        return None
-    srcs = space.in_sources[name]
-    return srcs[0] if len(srcs) == 1 else None
-
-
 def _edge_cost(src_ps, dst_ps, shape_dtype, mesh, profile) -> float | None:
     if src_ps == dst_ps:
         return 0.0
@@ -219,6 +226,7 @@ def solve(
     memory_budget: float | None = None,
     reshard_axes: int | None = 1,
     grad_overlap: float = GRAD_OVERLAP,
+    merge: bool = True,
 ) -> Solution:
     """Solve the ILP of the module docstring for ``space``.
 
@@ -228,6 +236,8 @@ def solve(
     (None: no limit); graph outputs may always change every axis.
     ``grad_overlap``: the fraction of a gradient's reduction hidden behind the rest of the
     backward pass (counted as ``1 - grad_overlap`` of its time).
+    ``merge``: simplification 1 (following nodes); False gives every node its own variables
+    and every edge all its pairs.
     """
     if not 0.0 <= grad_overlap < 1.0:
         raise ValueError(f"grad_overlap must be in [0, 1), got {grad_overlap}")
@@ -246,8 +256,41 @@ def solve(
     lp.SetNumThreads(1)
     lp.SuppressOutput()
 
+    # Folding (passes/fold): the solver sees representatives only. rep(v) is v's
+    # representative, count[r] how many nodes r stands for; costs and edges are summed over
+    # the instances, so the objective is that of the whole graph.
+    rep_of = space.rep
+
+    def rep(n: str) -> str:
+        return rep_of.get(n, n)
+
+    count: dict[str, int] = defaultdict(int)
+    for name in space.order:
+        count[rep(name)] += 1
+    reps = [n for n in space.order if rep(n) == n]
+    # the producers of a representative's inputs, as representatives, where every instance
+    # agrees on them (None where they differ: such a node is not merged)
+    qsrc: dict[str, tuple | None] = {}
+    for name in space.order:
+        srcs = tuple((rep(s), so) for s, so in space.in_sources[name])
+        r = rep(name)
+        if r not in qsrc:
+            qsrc[r] = srcs
+        elif qsrc[r] != srcs:
+            qsrc[r] = None
+
+    def merge_source(name: str) -> tuple[str, int] | None:
+        if not merge:
+            return None
+        if space.roles.get(name) in ("param", "buffer", "input", "target", "tangent"):
+            return None
+        if not _follows(space, name):
+            return None
+        srcs = qsrc[name]
+        return srcs[0] if srcs is not None and len(srcs) == 1 else None
+
     # x[name][k]: the base variables whose sum is x[v,k]. A node that follows its producer
-    # (``_merge_source``) has no variables of its own: x[v,k] = Y[u, ins_k].
+    # (``merge_source``) has no variables of its own: x[v,k] = Y[u, ins_k].
     x: dict[str, list[list]] = {}
     coef: dict = defaultdict(float)
     node_cost: dict[str, list[float]] = {}
@@ -266,14 +309,14 @@ def solve(
             g[s.ins[j]].extend(x[name][k])
         return g
 
-    for name in space.order:
+    def make(name: str) -> None:
         strats = space.strategies[name]
         if not strats:
             raise SolveError(f"node {name} has no strategy")
         costs = _node_costs(space, name, profile)
         node_cost[name] = costs
-        src = _merge_source(space, name)
-        groups = out_group(*src) if src else None
+        src = merge_source(name)
+        groups = out_group(*src) if src and src[0] in x else None
         if groups is not None and set(groups) <= {st.ins[0] for st in strats}:
             x[name] = [list(groups.get(st.ins[0], [])) for st in strats]
             merged.add(name)
@@ -286,13 +329,30 @@ def solve(
                 coef[v] += 1e-9 * k / len(vs)
         for k, c in enumerate(costs):
             for v in x[name][k]:
-                coef[v] += c * _SCALE
+                coef[v] += c * count[name] * _SCALE
+
+    # A follower is made after its producer. Folding can order a representative before the
+    # producer it merges into (a layer's input comes from the previous layer): walk the chain
+    # of producers first; a chain that closes on itself is cut (the node gets variables).
+    visiting: set[str] = set()
+    for name in reps:
+        chain = []
+        v = name
+        while v not in x and v not in visiting:
+            visiting.add(v)
+            chain.append(v)
+            src = merge_source(v)
+            if src is None:
+                break
+            v = src[0]
+        for w in reversed(chain):
+            make(w)
     t_nodes = time.perf_counter()
 
-    edge_vars: list[tuple[str, object, object, object, float, tuple]] = []
+    edge_vars: list[tuple[list[str], object, object, object, float, tuple]] = []
     n_edge_vars = 0
 
-    def add_edge(label, src, src_out, dst_groups: dict, follow=False, max_axes=None, scale=1.0):
+    def add_edge(labels, src, src_out, dst_groups: dict, follow=False, max_axes=None, scale=1.0):
         nonlocal n_edge_vars
         shape_dtype = space.shapes[src][src_out]
         src_groups = out_group(src, src_out)
@@ -313,45 +373,55 @@ def solve(
                 pair_vars_p[p].append(ev)
                 pair_vars_q[q].append(ev)
                 if c > 0:
-                    coef[ev] += c * _SCALE
-                    edge_vars.append((label, ev, p, q, c, shape_dtype))
+                    coef[ev] += c * len(labels) * _SCALE
+                    edge_vars.append((labels, ev, p, q, c, shape_dtype))
         for p, xs in src_groups.items():
             lp.Add(sum(pair_vars_p[p]) == sum(xs))
         for q, xs in dst_groups.items():
             lp.Add(sum(pair_vars_q[q]) == sum(xs))
 
+    # the edges between representatives, each with the edges it stands for
+    q_edges: dict[tuple, list[str]] = defaultdict(list)
     for e in space.edges:
-        if e.dst in merged:
+        if rep(e.dst) in merged:
             continue
-        groups = in_group(e.dst, e.dst_in)
+        q_edges[(rep(e.src), e.src_out, rep(e.dst), e.dst_in)].append(f"{e.src}->{e.dst}")
+    for (src, src_out, dst, dst_in), labels in q_edges.items():
         add_edge(
-            f"{e.src}->{e.dst}",
-            e.src,
-            e.src_out,
-            groups,
-            follow=_follows(space, e.dst),
+            labels,
+            src,
+            src_out,
+            in_group(dst, dst_in),
+            follow=merge and _follows(space, dst),
             max_axes=reshard_axes,
         )
-    rep = (Replicate(),) * mesh.ndim
+    rep_ps = (Replicate(),) * mesh.ndim
+    q_sinks: dict[tuple, list[str]] = defaultdict(list)
     for sink in space.sinks:
-        if sink.like is None:
+        like = None if sink.like is None else rep(sink.like)
+        label = f"{sink.src}->output[{sink.position}]"
+        if sink.like is not None:
+            label += f" (as {sink.like})"
+        q_sinks[(rep(sink.src), sink.src_out, like)].append(label)
+    for (src, src_out, like), labels in q_sinks.items():
+        if like is None:
             # a fixed target (the loss: Replicate): priced on the producer's variables
-            label = f"{sink.src}->output[{sink.position}]"
-            shape_dtype = space.shapes[sink.src][sink.src_out]
-            for p, xs in out_group(sink.src, sink.src_out).items():
-                c = _edge_cost(p, rep, shape_dtype, mesh, profile)
+            shape_dtype = space.shapes[src][src_out]
+            for p, xs in out_group(src, src_out).items():
+                c = _edge_cost(p, rep_ps, shape_dtype, mesh, profile)
                 if c is None:
                     lp.Add(sum(xs) == 0)
                 elif c > 0:
                     for v in xs:
-                        coef[v] += c * _SCALE
-                    edge_vars.append((label, xs, p, rep, c, shape_dtype))
+                        coef[v] += c * len(labels) * _SCALE
+                    edge_vars.append((labels, xs, p, rep_ps, c, shape_dtype))
             continue
-        label = f"{sink.src}->output[{sink.position}] (as {sink.like})"
         # a gradient's reduction overlaps the rest of the backward pass
-        scale = 1.0 - grad_overlap if space.roles[sink.like] == "param" else 1.0
-        add_edge(label, sink.src, sink.src_out, out_group(sink.like, 0), scale=scale)
-    for a, b in space.ties:
+        scale = 1.0 - grad_overlap if space.roles[like] == "param" else 1.0
+        add_edge(labels, src, src_out, out_group(like, 0), scale=scale)
+    for a, b in dict.fromkeys((rep(a), rep(b)) for a, b in space.ties):
+        if a == b:
+            continue
         ga, gb = out_group(a, 0), out_group(b, 0)
         for q in set(ga) | set(gb):
             lp.Add(sum(ga.get(q, [])) == sum(gb.get(q, [])))
@@ -361,9 +431,10 @@ def solve(
             if space.roles[name] != "param" or name in space.aliases:
                 continue
             (shape, dtype) = space.shapes[name][0]
-            for k, st in enumerate(space.strategies[name]):
+            r = rep(name)
+            for k, st in enumerate(space.strategies[r]):
                 nbytes = math.prod(local_shape(shape, st.out[0], mesh.shape)) * dtype.itemsize
-                terms.extend(STATE_COPIES * nbytes * v for v in x[name][k])
+                terms.extend(STATE_COPIES * nbytes * v for v in x[r][k])
         lp.Add(sum(terms) <= float(memory_budget))
     objective = lp.Objective()
     for v, c in coef.items():
@@ -385,23 +456,28 @@ def solve(
         )
         raise SolveError(f"the sharding ILP has no solution (status {status}){hint}")
 
-    choice = {}
+    rep_choice = {}
     for name, vs in x.items():
         vals = [sum(v.solution_value() for v in group) for group in vs]
-        choice[name] = max(range(len(vals)), key=lambda k: vals[k])
-    compute_s = sum(node_cost[n][k] for n, k in choice.items())
+        rep_choice[name] = max(range(len(vals)), key=lambda k: vals[k])
+    choice = {name: rep_choice[rep(name)] for name in space.order}
+    compute_s = sum(node_cost[rep(n)][k] for n, k in choice.items())
     collectives: list[tuple[str, Collective, float]] = []
     comm_s = 0.0
-    for label, ev, p, q, c, shape_dtype in edge_vars:
+    for labels, ev, p, q, c, shape_dtype in edge_vars:
         val = sum(v.solution_value() for v in ev) if isinstance(ev, list) else ev.solution_value()
         if val > 0.5:
-            comm_s += c
-            for coll in redistribute_collectives(p, q, shape_dtype[0], shape_dtype[1], mesh.shape):
-                collectives.append((label, coll, collectives_time([coll], mesh, profile)))
+            comm_s += c * len(labels)
+            colls = redistribute_collectives(p, q, shape_dtype[0], shape_dtype[1], mesh.shape)
+            for label in labels:
+                for coll in colls:
+                    collectives.append((label, coll, collectives_time([coll], mesh, profile)))
     stats = {
         "solver": solver,
         "status": "optimal" if status == pywraplp.Solver.OPTIMAL else "feasible",
         "nodes": len(space.order),
+        "solver_nodes": len(reps),
+        "merged_nodes": len(merged),
         "strategies": space.n_strategies(),
         "edge_variables": n_edge_vars,
         "variables": lp.NumVariables(),
@@ -416,7 +492,7 @@ def solve(
         compute_s=compute_s,
         comm_s=comm_s,
         collectives=collectives,
-        node_cost_s={n: node_cost[n][k] for n, k in choice.items()},
+        node_cost_s={n: node_cost[rep(n)][k] for n, k in choice.items()},
         stats=stats,
     )
 

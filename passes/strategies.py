@@ -27,6 +27,9 @@ Where the strategies come from, per node kind:
 
 Tied parameters (one tensor under two names) are two graph inputs tied to one placement.
 
+Folded regions (passes/fold): the rules run once per representative; its instances share
+the list (``StrategySpace.rep`` maps each instance to its representative).
+
 Graph outputs (``Sink``): the loss must be ``Replicate`` (every rank returns the same loss);
 the gradient of a parameter must have the parameter's placement; a model output (no loss)
 must have the placement of the first input (the local batch in, the local batch out).
@@ -53,6 +56,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from autopar.mesh import Mesh
 
+from .fold import FoldedGraph
 from .trace import StepGraph
 
 __all__ = [
@@ -181,6 +185,9 @@ class StrategySpace:
         calls: node name -> (args, kwargs) of the op with its ``j``-th tensor input replaced
             by ``TensorInput(j)`` (what a cost model needs to price the op on local shapes).
         aliases: placeholders of tied parameters other than the first (same memory).
+        rep: node name -> its representative (passes/fold): the node whose strategy it takes;
+            a node missing here represents itself. Instances share their representative's
+            strategy list (the same list object).
     """
 
     mesh: Mesh
@@ -198,6 +205,7 @@ class StrategySpace:
     fallbacks: dict[str, str] = field(default_factory=dict)
     calls: dict[str, tuple] = field(default_factory=dict)
     aliases: set[str] = field(default_factory=set)
+    rep: dict[str, str] = field(default_factory=dict)
 
     @functools.cached_property
     def in_sources(self) -> dict[str, list[tuple[str, int]]]:
@@ -431,8 +439,17 @@ def _rule_per_candidate(node, args_schema, kwargs_schema, dmesh):
     return (found or None), (None if found else err)
 
 
-def build_strategies(step: StepGraph, mesh: Mesh, *, dmesh=None) -> StrategySpace:
-    """Enumerate the candidate strategies of every node of ``step`` on ``mesh``."""
+def build_strategies(
+    step: StepGraph, mesh: Mesh, *, dmesh=None, folded: FoldedGraph | None = None
+) -> StrategySpace:
+    """Enumerate the candidate strategies of every node of ``step`` on ``mesh``.
+
+    With ``folded`` (passes/fold), the instances of a folded region take the strategy list
+    of the first of them met in graph order: DTensor's rules run once per representative.
+    """
+    rep = folded.rep if folded is not None else {}
+    done: dict[str, list[Strategy]] = {}  # representative -> the list its instances share
+    fallback_of: dict[str, str] = {}
     if dmesh is None:
         dmesh = planning_device_mesh(mesh)
     gm = step.gm
@@ -485,6 +502,7 @@ def build_strategies(step: StepGraph, mesh: Mesh, *, dmesh=None) -> StrategySpac
         if node.op != "call_function":
             raise ValueError(f"unexpected node {node.format_node()} in the step graph")
         targets[name] = node.target
+        key = rep.get(name, name)
         flat, treespec = tree_flatten((node.args, node.kwargs))
         in_nodes = [a for a in flat if isinstance(a, torch.fx.Node)]
         counter = iter(range(len(in_nodes)))
@@ -494,20 +512,30 @@ def build_strategies(step: StepGraph, mesh: Mesh, *, dmesh=None) -> StrategySpac
 
         if node.target is operator.getitem:
             src, idx = node.args
+            edges.append(Edge(src.name, idx, name, 0))
+            if key in done:
+                strategies[name] = done[key]
+                continue
             strats = []
             for ps in dict.fromkeys(s.out[idx] for s in strategies[src.name]):
                 if ps is not None:
                     strats.append(Strategy(out=(ps,), ins=(ps,)))
-            strategies[name] = strats
-            edges.append(Edge(src.name, idx, name, 0))
+            strategies[name] = done[key] = strats
             continue
 
         for j, a in enumerate(in_nodes):
             src_out = 0
             edges.append(Edge(a.name, src_out, name, j))
+        if key in done:
+            # NOTE: an instance's producers may offer other placements than those of the
+            # node the list was built for; the solver's edges reshard between them.
+            strategies[name] = done[key]
+            if key in fallback_of:
+                fallbacks[name] = fallback_of[key]
+            continue
 
         if not in_nodes:
-            strategies[name] = [_replicated(node, 0, mesh)]
+            strategies[name] = done[key] = [_replicated(node, 0, mesh)]
             continue
 
         def to_schema(a):
@@ -534,10 +562,10 @@ def build_strategies(step: StepGraph, mesh: Mesh, *, dmesh=None) -> StrategySpac
                 f"{node.target} ({where}, node {name}): {why}; replicated on every mesh axis. "
                 "Add a rule in passes/strategies.py to shard it."
             )
-            fallbacks[name] = msg
+            fallbacks[name] = fallback_of[key] = msg
             warnings.warn(msg, NoRuleWarning, stacklevel=2)
             strats = [_replicated(node, len(in_nodes), mesh)]
-        strategies[name] = strats
+        strategies[name] = done[key] = strats
 
     out_node = next(iter(gm.graph.find_nodes(op="output")))
     param_node = {
@@ -573,6 +601,7 @@ def build_strategies(step: StepGraph, mesh: Mesh, *, dmesh=None) -> StrategySpac
         fallbacks=fallbacks,
         calls=calls,
         aliases=aliases,
+        rep={n: r for n, r in rep.items() if n != r},
     )
 
 

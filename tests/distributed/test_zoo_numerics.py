@@ -1,6 +1,7 @@
 """The zoo trained by autopar on gloo meshes equals the single-device model.
 
-Every case plans with a parameter-memory budget below the whole model, so the plan must
+Every case plans with folding on (the default: the transformers' layers share one set of
+choices) and with a parameter-memory budget below the whole model, so the plan must
 shard: the collectives it inserts are exercised. Each case checks the loss of every step,
 every gathered gradient of the first step, and every parameter after 3 AdamW steps.
 HF Llama runs in float32 (its RMSNorm and rotary embedding compute in float32 whatever the
@@ -58,7 +59,11 @@ def test_zoo_matches_single_device(example, mesh, axes, dtype, fraction):
     # ... and the collectives it predicts are the ones the compiled step runs
     assert _on_gloo(r0.predicted) == r0.ran
     assert r0.mismatches == []
-    if example == "mlp":
+    plan = Plan.from_json(r0.plan_json)
+    if example != "mlp":
+        # planned with folding (the default): the layers shared one set of choices
+        assert plan.stats["fold_groups"], plan.summary()
+        assert plan.stats["solver_nodes"] < plan.stats["nodes"]
+    else:
         # mse_loss has no sharding rule: replicated, said so, and still exact
-        plan = Plan.from_json(r0.plan_json)
         assert any(w.startswith("aten.mse_loss.default (<top level>") for w in plan.warnings)

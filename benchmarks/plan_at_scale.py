@@ -1,0 +1,79 @@
+"""Plan Llama-3-8B and a GPT-3-like 96-layer model from the meta device, end to end.
+
+    python benchmarks/plan_at_scale.py [--models llama3-8b,gpt3] [--meshes 8,8x8,16x8]
+        [--memory-gib 64] [--no-fold]
+
+No weights are allocated (``autopar.models.llama3_8b`` / ``gpt3``, batch 8 x 2048 tokens).
+"plan s" is the wall time of ``autopar.plan`` (tracing included); the stage columns come
+from ``plan.stats``. ``--memory-gib`` is the per-rank budget for parameters, gradients and
+AdamW state (fp32); a mesh on which the model cannot fit says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+import warnings
+
+import torch
+
+import autopar
+from autopar.models import EXAMPLES
+from autopar.passes.solve import SolveError
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default="llama3-8b,gpt3")
+    ap.add_argument("--meshes", default="8,8x8,16x8")
+    ap.add_argument("--device", default="h100")
+    ap.add_argument("--memory-gib", type=float, default=64.0)
+    ap.add_argument("--no-fold", action="store_true")
+    args = ap.parse_args()
+    print(
+        f"machine: {platform.machine()}, {torch.get_num_threads()} threads; "
+        f"torch {torch.__version__}; profile {args.device}; fold {not args.no_fold}; "
+        f"parameter-state budget {args.memory_gib} GiB per rank"
+    )
+    print()
+    print(
+        "| model | mesh | nodes | solver nodes | variables | trace s | fold s | strategies s "
+        "| costs + ILP build s | solve s | plan s | est. step ms | param state GiB/rank |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    warnings.simplefilter("ignore")
+    for name in args.models.split(","):
+        for text in args.meshes.split(","):
+            shape = tuple(int(s) for s in text.split("x"))
+            mesh = autopar.Mesh(shape, ("dp", "tp")[: len(shape)], device=args.device)
+            model, inputs, loss_fn, targets = EXAMPLES[name]()
+            t0 = time.perf_counter()
+            try:
+                plan = autopar.plan(
+                    model,
+                    mesh,
+                    inputs,
+                    loss_fn=loss_fn,
+                    example_targets=targets,
+                    memory_budget=args.memory_gib * 2**30,
+                    fold=not args.no_fold,
+                )
+            except SolveError as e:
+                wall = time.perf_counter() - t0
+                print(f"| {name} | {text} | no plan fits ({e}); {wall:.1f} s |", flush=True)
+                continue
+            wall = time.perf_counter() - t0
+            st = plan.stats
+            state = 4 * plan.memory["param_bytes_per_rank"] / 2**30
+            print(
+                f"| {name} | {text} | {st['nodes']} | {st['solver_nodes']} | {st['variables']} "
+                f"| {st['trace_s']:.1f} | {st['fold_s']:.2f} | {st['strategies_s']:.1f} "
+                f"| {st['cost_s'] + st['build_s']:.1f} | {st['solve_s']:.1f} | {wall:.1f} "
+                f"| {plan.cost['total_s'] * 1e3:.0f} | {state:.1f} |",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()

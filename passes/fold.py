@@ -1,0 +1,302 @@
+"""Frequent-subgraph folding: group the repeated layers of a step graph (TAP).
+
+Takes: a ``StepGraph`` (passes/trace). Returns: a ``FoldedGraph``: for every node its
+representative (itself when it is not folded), the groups of isomorphic regions, and a
+report. It changes nothing in the graph; passes/strategies builds one strategy list per
+representative and passes/solve gives a representative's variables to all its instances.
+It folds nothing in a graph without repeated layers (every node is its own representative).
+
+A transformer's joint graph is a handful of distinct subgraphs repeated many times. Folding
+finds them in three steps:
+
+1. Propose regions from module paths (``_region_of``): a node belongs to region
+   ``prefix.i`` when the path of the module it came from starts with a numbered child
+   ``prefix.i`` (the i-th entry of a ``ModuleList`` / ``Sequential``); parameters and
+   buffers by their names. Forward and backward nodes of a layer share its path, so a
+   region holds both. Operators the tracer could not attribute (the additions that
+   accumulate a residual's gradient) join a region by their neighbours
+   (``_attach_unattributed``): the one region all their attributed inputs come from, or,
+   for a node fed from several regions, the one region all their attributed users lie in.
+2. Label every region by its canonical form (``_canonical``): its nodes in graph order,
+   each with its op, role, output shapes and dtypes, non-tensor arguments, and for each
+   tensor argument either the index of the producing node inside the region or the
+   shape of the outside value it reads; plus which graph outputs it feeds and how.
+3. Regions with equal canonical forms are isomorphic as labelled graphs (the node order
+   is the isomorphism): they form a group. The first region of a group represents it; node
+   ``j`` of every other region maps to node ``j`` of the representative. Only equality of
+   the whole form folds two regions, so layers of different widths or kinds never fold; a
+   region whose form no other region shares stays unfolded.
+
+Folding is a restriction, not an approximation of the cost: all instances of a group take
+the same strategies (as hand-written plans do: every layer sharded alike), and the solver
+still counts the cost of each instance and of each edge between them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from .trace import StepGraph
+
+__all__ = ["FoldGroup", "FoldedGraph", "fold_regions", "region_of_path"]
+
+
+@dataclass(frozen=True, slots=True)
+class FoldGroup:
+    """Regions with one canonical form.
+
+    Attributes:
+        instances: region names (module paths such as ``model.layers.3``), the
+            representative first.
+        nodes: nodes per region.
+        signature: a short hash of the canonical form.
+    """
+
+    instances: tuple[str, ...]
+    nodes: int
+    signature: str
+
+    def __post_init__(self):
+        if len(self.instances) < 2:
+            raise ValueError("a fold group has at least two regions")
+
+    def name(self) -> str:
+        """``model.layers.{0,2,4}``-style text for the report."""
+        prefixes = {r.rsplit(".", 1)[0] for r in self.instances}
+        if len(prefixes) == 1:
+            idx = ",".join(sorted((r.rsplit(".", 1)[1] for r in self.instances), key=int))
+            return f"{prefixes.pop()}.{{{idx}}}"
+        return ", ".join(self.instances)
+
+
+@dataclass
+class FoldedGraph:
+    """A step graph and the representative of each of its nodes.
+
+    Attributes:
+        step: the step graph folded.
+        rep: node name -> the node whose strategy it takes (itself if not folded).
+        groups: the folded groups of isomorphic regions.
+        unfolded: regions proposed that no other region matched.
+        region: node name -> region name ("" outside every region).
+        fold_s: seconds the pass took.
+    """
+
+    step: StepGraph
+    rep: dict[str, str]
+    groups: tuple[FoldGroup, ...] = ()
+    unfolded: tuple[str, ...] = ()
+    region: dict[str, str] = field(default_factory=dict)
+    fold_s: float = 0.0
+
+    @property
+    def n_nodes(self) -> int:
+        return len(self.rep)
+
+    @property
+    def n_representatives(self) -> int:
+        """Nodes the solver sees: the graph's nodes less the folded instances."""
+        return sum(1 for n, r in self.rep.items() if n == r)
+
+    def stats(self) -> dict:
+        return {
+            "fold_groups": len(self.groups),
+            "fold_regions": sum(len(g.instances) for g in self.groups),
+            "folded_nodes": self.n_nodes - self.n_representatives,
+            "solver_nodes": self.n_representatives,
+        }
+
+    def report(self) -> str:
+        """What was folded, in a few lines."""
+        lines = [
+            f"{self.n_nodes} nodes -> {self.n_representatives} after folding "
+            f"({len(self.groups)} group(s))"
+        ]
+        for g in self.groups:
+            lines.append(
+                f"  folded {len(g.instances)} x {g.nodes} nodes: {g.name()} [{g.signature}]"
+            )
+        if self.unfolded:
+            lines.append("  not folded (no isomorphic peer): " + ", ".join(self.unfolded))
+        if not self.groups:
+            lines.append("  nothing folded: no repeated regions")
+        return "\n".join(lines)
+
+
+def unfolded(step: StepGraph) -> FoldedGraph:
+    """The identity folding: every node represents itself."""
+    return FoldedGraph(step=step, rep={n.name: n.name for n in _nodes(step)})
+
+
+def region_of_path(path: str) -> str:
+    """``model.layers.3.mlp.up_proj`` -> ``model.layers.3``; "" without a numbered child."""
+    parts = path.split(".")
+    for i, p in enumerate(parts):
+        if p.isdigit():
+            return ".".join(parts[: i + 1])
+    return ""
+
+
+def _nodes(step: StepGraph) -> list[torch.fx.Node]:
+    return [n for n in step.gm.graph.nodes if n.op != "output"]
+
+
+def _tensor_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
+    return list(dict.fromkeys(node.all_input_nodes))
+
+
+def _attach_unattributed(nodes, region: dict[str, str], free: set[str]) -> None:
+    """Give operators without a module path the region of their neighbours (in place)."""
+
+    def regions(ns):
+        return {region[n.name] for n in ns if region.get(n.name)}
+
+    pending = [n for n in nodes if n.name in free]
+    while pending:
+        changed = False
+        for n in pending:  # from the inputs, in graph order (a chain settles in one sweep)
+            rs = regions(_tensor_inputs(n))
+            if len(rs) == 1:
+                region[n.name] = rs.pop()
+                changed = True
+        pending = [n for n in pending if not region.get(n.name)]
+        if changed:
+            continue
+        for n in reversed(pending):  # fed from several regions: the one its users lie in
+            if len(regions(_tensor_inputs(n))) < 2:
+                continue
+            rs = regions(n.users)
+            if len(rs) == 1:
+                region[n.name] = rs.pop()
+                changed = True
+        pending = [n for n in pending if not region.get(n.name)]
+        if not changed:
+            break
+
+
+def _shape_key(v):
+    if isinstance(v, torch.Tensor):
+        return (tuple(v.shape), str(v.dtype))
+    if isinstance(v, (list, tuple)):
+        return tuple(_shape_key(x) for x in v)
+    return type(v).__name__
+
+
+def _canonical(
+    members: list[torch.fx.Node], out_kind: dict[str, list], attached: set[str] = frozenset()
+) -> tuple:
+    """The labelled graph of a region as a tuple: equal tuples, isomorphic regions.
+
+    Nodes in ``attached`` (joined by their neighbours, not by a module path) are marked."""
+    local = {n.name: i for i, n in enumerate(members)}
+    form = []
+    for n in members:
+        if n.op == "placeholder":
+            head = ("placeholder", n.meta.get("autopar_role", ""))
+            args = ()
+        else:
+            head = (str(n.target), n.meta.get("autopar_role", ""))
+            flat, spec = tree_flatten((n.args, n.kwargs))
+            args = (str(spec),) + tuple(
+                ("in", local[a.name])
+                if isinstance(a, torch.fx.Node) and a.name in local
+                else ("ext", _shape_key(a.meta.get("val")))
+                if isinstance(a, torch.fx.Node)
+                else repr(a)
+                for a in flat
+            )
+        outs = tuple(
+            ("grad", local.get(like, "ext")) if like else ("plain",)
+            for like in out_kind.get(n.name, ())
+        )
+        mark = n.name in attached
+        form.append((head, mark, _shape_key(n.meta.get("val")), args, outs))
+    return tuple(form)
+
+
+def fold_regions(step: StepGraph) -> FoldedGraph:
+    """Group the isomorphic regions of ``step`` (module docstring)."""
+    t0 = time.perf_counter()
+    nodes = _nodes(step)
+    region: dict[str, str] = {}
+    free: set[str] = set()
+    pi = bi = 0
+    param_node: dict[str, str] = {}
+    for n in nodes:
+        role = n.meta.get("autopar_role", "")
+        if n.op == "placeholder":
+            if role == "param":
+                param_node[step.param_names[pi]] = n.name
+                region[n.name] = region_of_path(step.param_names[pi])
+                pi += 1
+            elif role == "buffer":
+                region[n.name] = region_of_path(step.buffer_names[bi])
+                bi += 1
+            else:
+                region[n.name] = ""
+            continue
+        path = n.meta.get("autopar_module", "")
+        region[n.name] = region_of_path(path)
+        if not path:
+            free.add(n.name)
+    _attach_unattributed(nodes, region, free)
+
+    # which graph outputs a node feeds: a gradient (of which parameter) or a plain output
+    out_kind: dict[str, list] = defaultdict(list)
+    out_node = step.output_node()
+    for pos, a in enumerate(out_node.args[0]):
+        if isinstance(a, torch.fx.Node):
+            like = param_node.get(step.grad_of[pos]) if pos in step.grad_of else None
+            out_kind[a.name].append(like)
+
+    members: dict[str, list[torch.fx.Node]] = defaultdict(list)
+    for n in nodes:
+        if region[n.name]:
+            members[region[n.name]].append(n)
+    # Regions group by the form of their attributed nodes (the core); the operators attached
+    # by their neighbours fold too where the whole form matches the representative's (the
+    # first and last layers often differ there: the embedding's gradient, say).
+    by_core: dict[tuple, list[str]] = defaultdict(list)
+    full: dict[str, tuple] = {}
+    for r, ms in members.items():
+        core = [n for n in ms if n.name not in free]
+        by_core[_canonical(core, out_kind)].append(r)
+        full[r] = _canonical(ms, out_kind, attached=free)
+
+    rep = {n.name: n.name for n in nodes}
+    groups, alone = [], []
+    for form, regions in by_core.items():
+        if len(regions) < 2:
+            alone.extend(regions)
+            continue
+        counts: dict[tuple, int] = defaultdict(int)
+        for r in regions:
+            counts[full[r]] += 1
+        top = max(counts.values())
+        head = next(r for r in regions if counts[full[r]] == top)
+        regions = [head] + [r for r in regions if r != head]
+        first = members[head]
+        first_core = [n for n in first if n.name not in free]
+        for r in regions[1:]:
+            if full[r] == full[head]:
+                pairs = zip(members[r], first)
+            else:
+                pairs = zip([n for n in members[r] if n.name not in free], first_core)
+            for a, b in pairs:
+                rep[a.name] = b.name
+        sig = hashlib.sha256(repr(form).encode()).hexdigest()[:12]
+        groups.append(FoldGroup(instances=tuple(regions), nodes=len(first), signature=sig))
+    return FoldedGraph(
+        step=step,
+        rep=rep,
+        groups=tuple(groups),
+        unfolded=tuple(alone),
+        region={k: v for k, v in region.items() if v},
+        fold_s=time.perf_counter() - t0,
+    )

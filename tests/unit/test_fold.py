@@ -1,0 +1,211 @@
+"""Folding: repeated layers are found, grouped only when isomorphic, and planned as the
+unfolded graph would be."""
+
+import contextlib
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import autopar
+from autopar.models import GPT, MLP, GPTConfig, cross_entropy_loss, mse_loss
+from autopar.models import CausalSelfAttention as Attention
+from autopar.passes.fold import fold_regions, region_of_path
+from autopar.passes.solve import solve
+from autopar.passes.strategies import build_strategies
+from autopar.passes.trace import trace_step
+
+
+def _trace(model, inputs, loss_fn, targets, stack):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return trace_step(model, inputs, loss_fn=loss_fn, example_targets=targets, stack=stack)
+
+
+def _gpt(layers, *, hidden=64, heads=4, ffn=256, seq=32, vocab=128, batch=8):
+    cfg = GPTConfig(vocab=vocab, seq=seq, hidden=hidden, heads=heads, layers=layers, ffn=ffn)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    tokens = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+    return model, (tokens,), cross_entropy_loss, (tokens,)
+
+
+class MlpBlock(nn.Module):
+    def __init__(self, hidden: int, ffn: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden)
+        self.up = nn.Linear(hidden, ffn)
+        self.down = nn.Linear(ffn, hidden)
+
+    def forward(self, x_BSH):
+        return x_BSH + self.down(F.gelu(self.up(self.norm(x_BSH))))
+
+
+class AttnBlock(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.norm = nn.LayerNorm(cfg.hidden)
+        self.attn = Attention(cfg)
+
+    def forward(self, x_BSH):
+        return x_BSH + self.attn(self.norm(x_BSH))
+
+
+class Alternating(nn.Module):
+    """Attention and MLP blocks alternate in one ModuleList (two kinds of layer)."""
+
+    def __init__(self, cfg: GPTConfig, pairs: int):
+        super().__init__()
+        self.tok = nn.Embedding(cfg.vocab, cfg.hidden)
+        kinds = [
+            AttnBlock(cfg) if i % 2 == 0 else MlpBlock(cfg.hidden, cfg.ffn)
+            for i in range(2 * pairs)
+        ]
+        self.layers = nn.ModuleList(kinds)
+        self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+
+    def forward(self, tokens_BS):
+        x_BSH = self.tok(tokens_BS)
+        for layer in self.layers:
+            x_BSH = layer(x_BSH)
+        return self.head(x_BSH)
+
+
+class NoRepeat(nn.Module):
+    """Named layers, no numbered children: nothing to fold."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(16, 64)
+        self.mid = nn.Linear(64, 64)
+        self.out = nn.Linear(64, 8)
+
+    def forward(self, x_BD):
+        return self.out(F.gelu(self.mid(F.gelu(self.inp(x_BD)))))
+
+
+def _shapes(v):
+    return [tuple(t.shape) for t in (v if isinstance(v, (tuple, list)) else [v])]
+
+
+def test_region_of_path_takes_the_outermost_numbered_child():
+    assert region_of_path("model.layers.3.mlp.up_proj") == "model.layers.3"
+    assert region_of_path("blocks.12.attn") == "blocks.12"
+    assert region_of_path("0.fc") == "0"
+    assert region_of_path("lm_head") == ""
+    assert region_of_path("") == ""
+
+
+def test_gpt_layers_fold_into_one_group_forward_and_backward():
+    with contextlib.ExitStack() as stack:
+        step = _trace(*_gpt(4), stack)
+        folded = fold_regions(step)
+    assert len(folded.groups) == 1
+    (group,) = folded.groups
+    assert sorted(group.instances) == [f"blocks.{i}" for i in range(4)]
+    assert folded.unfolded == ()
+    nodes = {n.name: n for n in step.gm.graph.nodes}
+    roles = set()
+    for name, rep in folded.rep.items():
+        if name == rep:
+            continue
+        a, b = nodes[name], nodes[rep]
+        # an instance maps onto a node of the same op, role and shape in another layer
+        assert a.op == b.op and (a.op == "placeholder" or a.target == b.target)
+        assert a.meta["autopar_role"] == b.meta["autopar_role"]
+        assert _shapes(a.meta["val"]) == _shapes(b.meta["val"])
+        assert folded.region[name] != folded.region[rep]
+        roles.add(a.meta["autopar_role"])
+    assert {"param", "forward", "backward"} <= roles
+    # three of the four layers are folded away
+    assert folded.n_nodes - folded.n_representatives >= 3 * (group.nodes - 4)
+    assert "folded 4 x" in folded.report() and "blocks.{0,1,2,3}" in folded.report()
+
+
+def test_layers_of_different_widths_never_fold():
+    model = MLP(d_in=16, d_hidden=64, n_layers=3)  # layers.0 is 16 -> 64, the rest 64 -> 64
+    with contextlib.ExitStack() as stack:
+        step = _trace(model, (torch.randn(8, 16),), mse_loss, (torch.randn(8, 8),), stack)
+        folded = fold_regions(step)
+    assert [sorted(g.instances) for g in folded.groups] == [["layers.1", "layers.2"]]
+    assert folded.unfolded == ("layers.0",)
+    assert "not folded (no isomorphic peer): layers.0" in folded.report()
+
+
+def _plan(example, mesh, **kw):
+    model, inputs, loss_fn, targets = example
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return autopar.plan(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, **kw)
+
+
+def test_model_without_repetition_folds_nothing_and_plans_as_unfolded():
+    with torch.device("meta"):
+        model = NoRepeat()
+    x = torch.zeros(8, 16, device="meta")
+    y = torch.zeros(8, 8, device="meta")
+    mesh = autopar.Mesh((2, 2), ("dp", "tp"))
+    folded = _plan((model, (x,), mse_loss, (y,)), mesh, memory_budget=4 * 4 * 6000 * 0.5)
+    plain = _plan((model, (x,), mse_loss, (y,)), mesh, memory_budget=4 * 4 * 6000 * 0.5, fold=False)
+    assert (
+        folded.stats["fold_groups"] == [] and folded.stats["solver_nodes"] == folded.stats["nodes"]
+    )
+    assert "no repeated regions" in folded.summary()
+    assert folded.nodes == plain.nodes
+    assert folded.cost == plain.cost
+
+
+def test_two_alternating_kinds_of_layer_fold_into_two_groups():
+    cfg = GPTConfig(vocab=128, seq=32, hidden=64, heads=4, ffn=256)
+    with torch.device("meta"):
+        model = Alternating(cfg, pairs=2)
+    tokens = torch.zeros(8, 32, dtype=torch.long, device="meta")
+    example = (model, (tokens,), cross_entropy_loss, (tokens,))
+    with contextlib.ExitStack() as stack:
+        folded = fold_regions(_trace(*example, stack))
+    assert sorted(sorted(g.instances) for g in folded.groups) == [
+        ["layers.0", "layers.2"],
+        ["layers.1", "layers.3"],
+    ]
+    mesh = autopar.Mesh((4,), ("dp",))
+    full = sum(p.numel() * 4 for p in model.parameters())
+    budget = 4 * full * 0.5
+    a = _plan(example, mesh, memory_budget=budget)
+    b = _plan(example, mesh, memory_budget=budget, fold=False)
+    assert [g["instances"] for g in a.stats["fold_groups"]] == [2, 2]
+    assert a.stats["solver_nodes"] < 0.6 * b.stats["solver_nodes"]
+    # every instance takes its representative's placements
+    pp = a.param_placements
+    assert pp["layers.2.attn.q.weight"] == pp["layers.0.attn.q.weight"]
+    assert pp["layers.3.up.weight"] == pp["layers.1.up.weight"]
+    assert a.memory["param_bytes_per_rank"] <= budget / 4
+    assert a.collectives, "the budget forces sharding"
+    assert a.cost["total_s"] == pytest.approx(b.cost["total_s"], rel=1e-3)
+
+
+@pytest.mark.parametrize("depth", [2, 4, 8])
+def test_folded_plan_equals_unfolded_plan(depth):
+    example = _gpt(depth, hidden=256, heads=4, ffn=1024, seq=128, vocab=512)
+    mesh = autopar.Mesh((2, 2), ("dp", "tp"), device="h100")
+    folded = _plan(example, mesh)
+    plain = _plan(example, mesh, fold=False)
+    assert folded.stats["solver_nodes"] < plain.stats["solver_nodes"]
+    assert folded.stats["variables"] < plain.stats["variables"]
+    assert folded.cost["total_s"] == pytest.approx(plain.cost["total_s"], rel=1e-3)
+    assert folded.collectives, "a plan with no collective tests nothing here"
+
+
+def test_merging_following_nodes_keeps_the_optimum():
+    with contextlib.ExitStack() as stack:
+        step = _trace(*_gpt(2), stack)
+        mesh = autopar.Mesh((2, 2), ("dp", "tp"), device="h100")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            space = build_strategies(step, mesh, folded=fold_regions(step))
+    merged = solve(space)
+    exact = solve(space, merge=False)
+    assert merged.stats["merged_nodes"] > 0 and exact.stats["merged_nodes"] == 0
+    assert merged.stats["variables"] < exact.stats["variables"]
+    assert merged.objective_s == pytest.approx(exact.objective_s, rel=1e-3)
