@@ -40,7 +40,6 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
-from torch.utils._pytree import tree_flatten
 
 from .trace import StepGraph
 
@@ -195,6 +194,18 @@ def _canonical(
 
     Nodes in ``attached`` (joined by their neighbours, not by a module path) are marked."""
     local = {n.name: i for i, n in enumerate(members)}
+
+    def form_of(a):
+        if isinstance(a, torch.fx.Node):
+            if a.name in local:
+                return ("in", local[a.name])
+            return ("ext", _shape_key(a.meta.get("val")))
+        if isinstance(a, (list, tuple)):
+            return (type(a).__name__,) + tuple(form_of(b) for b in a)
+        if isinstance(a, dict):
+            return ("dict",) + tuple((k, form_of(v)) for k, v in a.items())
+        return repr(a)
+
     form = []
     for n in members:
         if n.op == "placeholder":
@@ -202,15 +213,7 @@ def _canonical(
             args = ()
         else:
             head = (str(n.target), n.meta.get("autopar_role", ""))
-            flat, spec = tree_flatten((n.args, n.kwargs))
-            args = (str(spec),) + tuple(
-                ("in", local[a.name])
-                if isinstance(a, torch.fx.Node) and a.name in local
-                else ("ext", _shape_key(a.meta.get("val")))
-                if isinstance(a, torch.fx.Node)
-                else repr(a)
-                for a in flat
-            )
+            args = (form_of(n.args), form_of(n.kwargs))
         outs = tuple(
             ("grad", local.get(like, "ext")) if like else ("plain",)
             for like in out_kind.get(n.name, ())

@@ -503,12 +503,15 @@ def build_strategies(
             raise ValueError(f"unexpected node {node.format_node()} in the step graph")
         targets[name] = node.target
         key = rep.get(name, name)
-        flat, treespec = tree_flatten((node.args, node.kwargs))
-        in_nodes = [a for a in flat if isinstance(a, torch.fx.Node)]
-        counter = iter(range(len(in_nodes)))
-        calls[name] = treespec.unflatten(
-            [TensorInput(next(counter)) if isinstance(a, torch.fx.Node) else a for a in flat]
-        )
+        if key == name:
+            flat, treespec = tree_flatten((node.args, node.kwargs))
+            in_nodes = [a for a in flat if isinstance(a, torch.fx.Node)]
+            counter = iter(range(len(in_nodes)))
+            calls[name] = treespec.unflatten(
+                [TensorInput(next(counter)) if isinstance(a, torch.fx.Node) else a for a in flat]
+            )
+        else:  # an instance: the solver prices its representative's call only
+            in_nodes = _input_nodes((node.args, node.kwargs))
 
         if node.target is operator.getitem:
             src, idx = node.args
@@ -603,6 +606,24 @@ def build_strategies(
         aliases=aliases,
         rep={n: r for n, r in rep.items() if n != r},
     )
+
+
+def _input_nodes(args) -> list[torch.fx.Node]:
+    """The fx nodes in ``args``, in ``tree_flatten`` order (a fast path for large graphs)."""
+    out: list[torch.fx.Node] = []
+
+    def visit(a):
+        if isinstance(a, torch.fx.Node):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            for b in a:
+                visit(b)
+        elif isinstance(a, dict):
+            for b in a.values():
+                visit(b)
+
+    visit(args)
+    return out
 
 
 def contiguous_stride(shape) -> tuple[int, ...]:
