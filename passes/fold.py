@@ -66,12 +66,19 @@ class FoldGroup:
             raise ValueError("a fold group has at least two regions")
 
     def name(self) -> str:
-        """``model.layers.{0,2,4}``-style text for the report."""
+        """``model.layers.{0..31}`` / ``layers.{0,2,4}``-style text for the report."""
         prefixes = {r.rsplit(".", 1)[0] for r in self.instances}
-        if len(prefixes) == 1:
-            idx = ",".join(sorted((r.rsplit(".", 1)[1] for r in self.instances), key=int))
-            return f"{prefixes.pop()}.{{{idx}}}"
-        return ", ".join(self.instances)
+        if len(prefixes) != 1:
+            return ", ".join(self.instances)
+        idx = sorted(int(r.rsplit(".", 1)[1]) for r in self.instances)
+        runs: list[list[int]] = []
+        for i in idx:
+            if runs and i == runs[-1][-1] + 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        parts = [f"{r[0]}..{r[-1]}" if len(r) > 2 else ",".join(map(str, r)) for r in runs]
+        return f"{prefixes.pop()}.{{{','.join(parts)}}}"
 
 
 @dataclass

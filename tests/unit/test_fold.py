@@ -12,7 +12,7 @@ from torch import nn
 import autopar
 from autopar.models import GPT, MLP, GPTConfig, cross_entropy_loss, mse_loss
 from autopar.models import CausalSelfAttention as Attention
-from autopar.passes.fold import fold_regions, region_of_path
+from autopar.passes.fold import FoldGroup, fold_regions, region_of_path
 from autopar.passes.solve import solve
 from autopar.passes.strategies import build_strategies
 from autopar.passes.trace import trace_step
@@ -90,6 +90,17 @@ def _shapes(v):
     return [tuple(t.shape) for t in (v if isinstance(v, (tuple, list)) else [v])]
 
 
+def test_group_names_read_as_ranges():
+    g = FoldGroup(instances=tuple(f"model.layers.{i}" for i in range(32)), nodes=9, signature="x")
+    assert g.name() == "model.layers.{0..31}"
+    g = FoldGroup(instances=("h.4", "h.0", "h.2"), nodes=9, signature="x")
+    assert g.name() == "h.{0,2,4}"
+    g = FoldGroup(instances=("h.0", "h.1", "h.5", "h.6", "h.7"), nodes=9, signature="x")
+    assert g.name() == "h.{0,1,5..7}"
+    with pytest.raises(ValueError):
+        FoldGroup(instances=("h.0",), nodes=9, signature="x")
+
+
 def test_region_of_path_takes_the_outermost_numbered_child():
     assert region_of_path("model.layers.3.mlp.up_proj") == "model.layers.3"
     assert region_of_path("blocks.12.attn") == "blocks.12"
@@ -121,7 +132,7 @@ def test_gpt_layers_fold_into_one_group_forward_and_backward():
     assert {"param", "forward", "backward"} <= roles
     # three of the four layers are folded away
     assert folded.n_nodes - folded.n_representatives >= 3 * (group.nodes - 4)
-    assert "folded 4 x" in folded.report() and "blocks.{0,1,2,3}" in folded.report()
+    assert "folded 4 x" in folded.report() and "blocks.{0..3}" in folded.report()
 
 
 def test_layers_of_different_widths_never_fold():
