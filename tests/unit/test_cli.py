@@ -36,3 +36,11 @@ def test_unknown_model_is_a_clear_error(capsys):
     assert main(["plan", "no-such-model"]) == 2
     err = capsys.readouterr().err
     assert "unknown model 'no-such-model'" in err and "gpt" in err
+
+
+def test_plan_reports_what_was_folded_and_no_fold_turns_it_off(capsys):
+    assert main(["plan", "gpt", "--mesh", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "folded: " in out and "2 x " in out and "blocks.{0,1}" in out
+    assert main(["plan", "gpt", "--mesh", "2", "--no-fold"]) == 0
+    assert "folded: " not in capsys.readouterr().out
