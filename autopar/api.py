@@ -137,7 +137,8 @@ def plan_step(
         search_s=t2 - t0,
         param_shapes=param_shapes,
         fold=folded is not None,
-        fold_regions=sum(len(g.instances) for g in folded.groups) if folded else 0,
+        fold_regions=folded.stats()["fold_regions"] if folded else 0,
+        folded_nodes=folded.stats()["folded_nodes"] if folded else 0,
         fold_groups=[
             {"regions": g.name(), "instances": len(g.instances), "nodes": g.nodes}
             for g in (folded.groups if folded is not None else ())

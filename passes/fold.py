@@ -111,6 +111,7 @@ class FoldedGraph:
         return sum(1 for n, r in self.rep.items() if n == r)
 
     def stats(self) -> dict:
+        """Groups, regions folded, nodes folded away, and nodes the solver sees."""
         return {
             "fold_groups": len(self.groups),
             "fold_regions": sum(len(g.instances) for g in self.groups),

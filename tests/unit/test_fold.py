@@ -187,6 +187,8 @@ def test_two_alternating_kinds_of_layer_fold_into_two_groups():
     b = _plan(example, mesh, memory_budget=budget, fold=False)
     assert [g["instances"] for g in a.stats["fold_groups"]] == [2, 2]
     assert a.stats["solver_nodes"] < 0.6 * b.stats["solver_nodes"]
+    assert a.stats["folded_nodes"] == a.stats["nodes"] - a.stats["solver_nodes"]
+    assert a.stats["fold_regions"] == 4 and b.stats["fold_regions"] == 0
     # every instance takes its representative's placements
     pp = a.param_placements
     assert pp["layers.2.attn.q.weight"] == pp["layers.0.attn.q.weight"]
