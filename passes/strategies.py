@@ -415,27 +415,42 @@ def _tensor_lists(args):
 
 
 def _rule_per_candidate(node, args_schema, kwargs_schema, dmesh):
-    """Ask DTensor's rule with every candidate at once; if one candidate makes it raise,
-    ask again one candidate of the first tensor argument at a time and keep what works."""
+    """Ask DTensor's rule with every candidate at once; if that raises, ask again with fewer.
+
+    Some rules take one candidate list per argument (they index every argument's list by
+    the position in one of them, as ``nll_loss_backward`` does); they are asked once per
+    candidate of each tensor argument, every other tensor argument cut to its first
+    candidate (the rule derives the others' placements from the one it follows)."""
     try:
         with unset_fake_temporarily(), _planning_rules():
             return _dtensor_rule(node, args_schema, kwargs_schema, dmesh), None
     except Exception as e:  # noqa: BLE001 - a rule that fails is a rule we lack
         err = f"{type(e).__name__}: {e}"
     flat, spec = tree_flatten(args_schema)
-    first = next((i for i, a in enumerate(flat) if isinstance(a, OpStrategy)), None)
-    if first is None:
+    tensors = [i for i, a in enumerate(flat) if isinstance(a, OpStrategy)]
+    if not tensors:
         return None, err
-    found: list[OpSpec] = []
-    for cand in flat[first].strategies:
+
+    def ask(changes: dict) -> list[OpSpec]:
         one = list(flat)
-        one[first] = OpStrategy([cand])
+        for i, v in changes.items():
+            one[i] = v
         try:
             with unset_fake_temporarily(), _planning_rules():
-                got = _dtensor_rule(node, spec.unflatten(one), kwargs_schema, dmesh)
+                return _dtensor_rule(node, spec.unflatten(one), kwargs_schema, dmesh) or []
         except Exception:  # noqa: BLE001
-            continue
-        found.extend(got or [])
+            return []
+
+    found: list[OpSpec] = []
+    first = tensors[0]
+    for cand in flat[first].strategies:
+        found.extend(ask({first: OpStrategy([cand])}))
+    if found:
+        return found, None
+    heads = {i: OpStrategy([flat[i].strategies[0]]) for i in tensors}
+    for i in tensors:
+        for cand in flat[i].strategies:
+            found.extend(ask({**heads, i: OpStrategy([cand])}))
     return (found or None), (None if found else err)
 
 

@@ -4,7 +4,7 @@ import warnings
 import pytest
 import torch
 from torch import nn
-from torch.distributed.tensor import Partial, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autopar import Mesh
 from autopar.models import GPT, MLP, GPTConfig, cross_entropy_loss, lm_batch, mse_loss
@@ -75,3 +75,17 @@ def test_op_without_rule_is_replicated_with_a_warning_naming_it():
 @pytest.mark.parametrize("text", ["R", "S(0)", "S(2)", "P(sum)", "P(avg)", "SS(0,4)"])
 def test_placement_text_round_trips(text):
     assert placement_str(parse_placement(text)) == text
+
+
+def test_cross_entropy_backward_shards_the_batch():
+    # nll_loss_backward's rule reads one candidate list per argument; it is asked per candidate
+    cfg = GPTConfig(layers=1, hidden=64, heads=4, ffn=96, vocab=100, seq=12)
+    tokens, targets = lm_batch(cfg.vocab, 8, cfg.seq)
+    step, space, caught = _space(
+        GPT(cfg), (tokens,), cross_entropy_loss, (targets,), Mesh((2, 2), ("dp", "tp"))
+    )
+    (name,) = [n for n, t in space.targets.items() if "nll_loss_backward" in str(t)]
+    assert name not in space.fallbacks
+    assert not [w for w in caught if "nll_loss_backward" in str(w.message)]
+    outs = {s.out[0] for s in space.strategies[name]}
+    assert (Shard(0), Shard(0)) in outs or (Shard(0), Replicate()) in outs, outs
