@@ -16,7 +16,8 @@ Where the strategies come from, per node kind:
     tangent of a scalar loss: ``Replicate()`` on every axis.
     operator: DTensor's own sharding rules (``_dtensor_rule``): the op's strategy function,
         its single-dim strategy expanded to the mesh, given for each tensor argument the
-        placements its producer may output. Only standard placement types survive
+        placements its producer may output (a rule that raises on that is asked again with
+        one candidate at a time: ``_rule_per_candidate``). Only standard placement types survive
         (``_allowed``), and only shardings that divide every sharded dim (``_divides``).
         ``_StridedShard`` is kept only on the views and batched matmuls of ``STRIDED_OPS``
         (it is what lets attention keep heads sharded through [B, h, S, D] -> [B*h, S, D]);
