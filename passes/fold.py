@@ -136,11 +136,6 @@ class FoldedGraph:
         return "\n".join(lines)
 
 
-def unfolded(step: StepGraph) -> FoldedGraph:
-    """The identity folding: every node represents itself."""
-    return FoldedGraph(step=step, rep={n.name: n.name for n in _nodes(step)})
-
-
 def region_of_path(path: str) -> str:
     """``model.layers.3.mlp.up_proj`` -> ``model.layers.3``; "" without a numbered child."""
     parts = path.split(".")
