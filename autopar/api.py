@@ -51,6 +51,33 @@ def plan_step(
     fold: bool = True,
 ) -> Plan:
     """Plan an already traced step graph (folding, strategies, then the ILP)."""
+    with _gc_paused():
+        return _plan_step(step, mesh, time_limit_s, memory_budget, fold)
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    """Keep Python's garbage collector off the objects that exist before planning.
+
+    NOTE: a deep model's step graph is hundreds of thousands of Python objects; each full
+    collection during the search walks all of them, a cost that grows with depth while the
+    folded search does not (96 layers: ~0.8 s of ~7 s). ``gc.freeze`` moves them out of the
+    collector's sight (not out of memory) until planning ends; what planning allocates is
+    collected as usual. A process that froze objects itself is left alone.
+    """
+    import gc
+
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+def _plan_step(step, mesh: Mesh, time_limit_s, memory_budget, fold) -> Plan:
     from .passes.fold import fold_regions
     from .passes.solve import solve
     from .passes.strategies import build_strategies, placement_str
