@@ -164,12 +164,7 @@ def _plan_step(step, mesh: Mesh, time_limit_s, memory_budget, fold) -> Plan:
         search_s=t2 - t0,
         param_shapes=param_shapes,
         fold=folded is not None,
-        fold_regions=folded.stats()["fold_regions"] if folded else 0,
-        folded_nodes=folded.stats()["folded_nodes"] if folded else 0,
-        fold_groups=[
-            {"regions": g.name(), "instances": len(g.instances), "nodes": g.nodes}
-            for g in (folded.groups if folded is not None else ())
-        ],
+        **(folded.stats() if folded else {"fold_regions": 0, "folded_nodes": 0, "fold_groups": []}),
     )
     import autopar
 

@@ -1,9 +1,9 @@
 """``Mesh``: the device mesh a plan is made for, without processes.
 
 A mesh is a shape (one size per axis), the axis names, the name of a device profile
-(``cost_models.devices.PROFILES``) and optionally how many ranks share a node. Axes are laid out row-major over the ranks, so the last
-axis is the innermost: its ranks are neighbours (same node), which is how the cost model
-decides which link an axis uses.
+(``cost_models.devices.PROFILES``) and optionally how many ranks share a node. Axes are
+laid out row-major over the ranks, so the last axis is the innermost: its ranks are
+neighbours (same node), which is how the cost model decides which link an axis uses.
 """
 
 from __future__ import annotations

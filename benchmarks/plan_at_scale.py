@@ -12,11 +12,10 @@ AdamW state (fp32); a mesh on which the model cannot fit says so.
 from __future__ import annotations
 
 import argparse
-import platform
 import time
 import warnings
 
-import torch
+from common import print_header
 
 import autopar
 from autopar.models import EXAMPLES
@@ -31,17 +30,25 @@ def main() -> None:
     ap.add_argument("--memory-gib", type=float, default=64.0)
     ap.add_argument("--no-fold", action="store_true")
     args = ap.parse_args()
-    print(
-        f"machine: {platform.machine()}, {torch.get_num_threads()} threads; "
-        f"torch {torch.__version__}; profile {args.device}; fold {not args.no_fold}; "
-        f"parameter-state budget {args.memory_gib} GiB per rank"
+    print_header(
+        f"profile {args.device}; fold {not args.no_fold}; "
+        f"parameter-state budget {args.memory_gib} GiB per rank",
+        [
+            "model",
+            "mesh",
+            "nodes",
+            "solver nodes",
+            "variables",
+            "trace s",
+            "fold s",
+            "strategies s",
+            "costs + ILP build s",
+            "solve s",
+            "plan s",
+            "est. step ms",
+            "param state GiB/rank",
+        ],
     )
-    print()
-    print(
-        "| model | mesh | nodes | solver nodes | variables | trace s | fold s | strategies s "
-        "| costs + ILP build s | solve s | plan s | est. step ms | param state GiB/rank |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     warnings.simplefilter("ignore")
     for name in args.models.split(","):
         for text in args.meshes.split(","):

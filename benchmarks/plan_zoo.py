@@ -10,9 +10,8 @@ tracing up to the plan), the estimated step time and the collectives per step.
 from __future__ import annotations
 
 import argparse
-import platform
 
-import torch
+from common import print_header
 
 import autopar
 from autopar.cli import plan_example
@@ -26,16 +25,20 @@ def main() -> None:
     ap.add_argument("--memory-fraction", type=float, default=None)
     ap.add_argument("--models", default="mlp,gpt,hf-gpt2,hf-llama")
     args = ap.parse_args()
-    print(
-        f"machine: {platform.machine()}, {torch.get_num_threads()} threads; "
-        f"torch {torch.__version__}; profile {args.device}; "
-        f"memory fraction {args.memory_fraction}"
+    print_header(
+        f"profile {args.device}; memory fraction {args.memory_fraction}",
+        [
+            "model",
+            "mesh",
+            "nodes",
+            "strategies",
+            "variables",
+            "trace s",
+            "search s",
+            "est. step ms",
+            "collectives/step",
+        ],
     )
-    print()
-    print(
-        "| model | mesh | nodes | strategies | variables | trace s | search s | est. step ms | collectives/step |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|")
     for name in args.models.split(","):
         for shape, axes in MESHES:
             mesh = autopar.Mesh(shape, axes, device=args.device)

@@ -18,13 +18,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import platform
 import subprocess
 import sys
 import time
 import warnings
 
 import torch
+from common import print_header
 
 import autopar
 from autopar.api import plan_step
@@ -113,19 +113,24 @@ def main() -> None:
         print(json.dumps(_measure(depth, mesh, bool(fold), args.time_limit, args.repeats)))
         return
     unfolded_depths = {int(d) for d in args.unfolded_depths.split(",") if d}
-    print(
-        f"machine: {platform.machine()}, {torch.get_num_threads()} threads; "
-        f"torch {torch.__version__}; mesh {args.mesh}; profile {args.device}; "
-        f"solver time limit {args.time_limit:.0f} s; folded search: fastest of {args.repeats}; "
-        "each measurement in its own process"
+    print_header(
+        f"mesh {args.mesh}; profile {args.device}; solver time limit {args.time_limit:.0f} s; "
+        f"folded search: fastest of {args.repeats}; each measurement in its own process",
+        [
+            "layers",
+            "nodes",
+            "trace s",
+            "folded: solver nodes",
+            "variables",
+            "constraints",
+            "search s",
+            "unfolded: variables",
+            "constraints",
+            "search s",
+            "unfolded / folded",
+            "est. step ms folded / unfolded",
+        ],
     )
-    print()
-    print(
-        "| layers | nodes | trace s | folded: solver nodes | variables | constraints "
-        "| search s | unfolded: variables | constraints | search s | unfolded / folded "
-        "| est. step ms folded / unfolded |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for depth in (int(d) for d in args.depths.split(",")):
         f = _in_subprocess(depth, args, True)
         row = (

@@ -9,7 +9,7 @@ It folds nothing in a graph without repeated layers (every node is its own repre
 A transformer's joint graph is a handful of distinct subgraphs repeated many times. Folding
 finds them in three steps:
 
-1. Propose regions from module paths (``_region_of``): a node belongs to region
+1. Propose regions from module paths (``region_of_path``): a node belongs to region
    ``prefix.i`` when the path of the module it came from starts with a numbered child
    ``prefix.i`` (the i-th entry of a ``ModuleList`` / ``Sequential``); parameters and
    buffers by their names. Forward and backward nodes of a layer share its path, so a
@@ -21,11 +21,14 @@ finds them in three steps:
    each with its op, role, output shapes and dtypes, non-tensor arguments, and for each
    tensor argument either the index of the producing node inside the region or the
    shape of the outside value it reads; plus which graph outputs it feeds and how.
-3. Regions with equal canonical forms are isomorphic as labelled graphs (the node order
-   is the isomorphism): they form a group. The first region of a group represents it; node
-   ``j`` of every other region maps to node ``j`` of the representative. Only equality of
-   the whole form folds two regions, so layers of different widths or kinds never fold; a
-   region whose form no other region shares stays unfolded.
+3. Regions whose attributed nodes (the core) have equal canonical forms are isomorphic as
+   labelled graphs (the node order is the isomorphism): they form a group. Its
+   representative is the first region whose whole form (core and attached nodes) is the
+   most common in the group; node ``j`` of a region with that whole form maps to node
+   ``j`` of the representative, and of any other region only its core maps (the first
+   and last layers often differ in attached nodes: the embedding's gradient, say). Only
+   equality of the form folds two regions, so layers of different widths or kinds never
+   fold; a region whose core form no other region shares stays unfolded.
 
 Folding is a restriction, not an approximation of the cost: all instances of a group take
 the same strategies (as hand-written plans do: every layer sharded alike), and the solver
@@ -36,7 +39,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 import torch
@@ -111,12 +114,14 @@ class FoldedGraph:
         return sum(1 for n, r in self.rep.items() if n == r)
 
     def stats(self) -> dict:
-        """Groups, regions folded, nodes folded away, and nodes the solver sees."""
+        """For ``plan.stats``: regions folded, nodes folded away, and each group."""
         return {
-            "fold_groups": len(self.groups),
             "fold_regions": sum(len(g.instances) for g in self.groups),
             "folded_nodes": self.n_nodes - self.n_representatives,
-            "solver_nodes": self.n_representatives,
+            "fold_groups": [
+                {"regions": g.name(), "instances": len(g.instances), "nodes": g.nodes}
+                for g in self.groups
+            ],
         }
 
     def report(self) -> str:
@@ -266,13 +271,13 @@ def fold_regions(step: StepGraph) -> FoldedGraph:
         if region[n.name]:
             members[region[n.name]].append(n)
     # Regions group by the form of their attributed nodes (the core); the operators attached
-    # by their neighbours fold too where the whole form matches the representative's (the
-    # first and last layers often differ there: the embedding's gradient, say).
+    # by their neighbours fold too where the whole form matches the representative's.
     by_core: dict[tuple, list[str]] = defaultdict(list)
+    core: dict[str, list[torch.fx.Node]] = {}
     full: dict[str, tuple] = {}
     for r, ms in members.items():
-        core = [n for n in ms if n.name not in free]
-        by_core[_canonical(core, out_kind)].append(r)
+        core[r] = [n for n in ms if n.name not in free]
+        by_core[_canonical(core[r], out_kind)].append(r)
         full[r] = _canonical(ms, out_kind, attached=free)
 
     rep = {n.name: n.name for n in nodes}
@@ -281,23 +286,17 @@ def fold_regions(step: StepGraph) -> FoldedGraph:
         if len(regions) < 2:
             alone.extend(regions)
             continue
-        counts: dict[tuple, int] = defaultdict(int)
-        for r in regions:
-            counts[full[r]] += 1
-        top = max(counts.values())
-        head = next(r for r in regions if counts[full[r]] == top)
+        counts = Counter(full[r] for r in regions)
+        head = max(regions, key=lambda r: counts[full[r]])  # the first of the most common
         regions = [head] + [r for r in regions if r != head]
-        first = members[head]
-        first_core = [n for n in first if n.name not in free]
         for r in regions[1:]:
-            if full[r] == full[head]:
-                pairs = zip(members[r], first)
-            else:
-                pairs = zip([n for n in members[r] if n.name not in free], first_core)
-            for a, b in pairs:
+            whole = full[r] == full[head]
+            for a, b in zip(
+                members[r] if whole else core[r], members[head] if whole else core[head]
+            ):
                 rep[a.name] = b.name
         sig = hashlib.sha256(repr(form).encode()).hexdigest()[:12]
-        groups.append(FoldGroup(instances=tuple(regions), nodes=len(first), signature=sig))
+        groups.append(FoldGroup(instances=tuple(regions), nodes=len(members[head]), signature=sig))
     return FoldedGraph(
         step=step,
         rep=rep,

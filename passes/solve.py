@@ -31,8 +31,9 @@ fixed or tied placements (``Sink``): the loss into Replicate on every axis, a gr
 its parameter's placement. A gradient's reduction runs while the backward pass goes on
 (as DDP and FSDP overlap it), so its edge counts ``(1 - grad_overlap)`` of R(p, q)
 (``GRAD_OVERLAP`` = 0.75 by default): without it, a model whose gradients outweigh its
-activations would always put tensor parallelism on the slowest axis. Since x is one-hot, the margins of each edge's e are one-hot,
-which forces e to the single pair (p, q) chosen, so e needs no integrality.
+activations would always put tensor parallelism on the slowest axis. Since x is one-hot,
+the margins of each edge's e are one-hot, which forces e to the single pair (p, q)
+chosen, so e needs no integrality.
 
 Folding (passes/fold, ``StrategySpace.rep``): the instances of a folded region take their
 representative's strategy, so only representatives have variables. With r(v) the

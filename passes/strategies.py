@@ -17,8 +17,9 @@ Where the strategies come from, per node kind:
     operator: DTensor's own sharding rules (``_dtensor_rule``): the op's strategy function,
         its single-dim strategy expanded to the mesh, given for each tensor argument the
         placements its producer may output (a rule that raises on that is asked again with
-        one candidate at a time: ``_rule_per_candidate``). Only standard placement types survive
-        (``_allowed``), and only shardings that divide every sharded dim (``_divides``).
+        one candidate at a time: ``_rule_per_candidate``). Only standard placement types
+        survive (``_allowed``), and only shardings that divide every sharded dim
+        (``_divides``).
         ``_StridedShard`` is kept only on the views and batched matmuls of ``STRIDED_OPS``
         (it is what lets attention keep heads sharded through [B, h, S, D] -> [B*h, S, D]);
         offered everywhere it multiplies the strategy space several times over.
@@ -418,10 +419,11 @@ def _tensor_lists(args):
 def _rule_per_candidate(node, args_schema, kwargs_schema, dmesh):
     """Ask DTensor's rule with every candidate at once; if that raises, ask again with fewer.
 
-    Some rules take one candidate list per argument (they index every argument's list by
-    the position in one of them, as ``nll_loss_backward`` does); they are asked once per
-    candidate of each tensor argument, every other tensor argument cut to its first
-    candidate (the rule derives the others' placements from the one it follows)."""
+    First one candidate of the first tensor argument at a time (the others keep all theirs).
+    If that finds nothing: some rules index every argument's list by the position in one
+    of them (``nll_loss_backward``), so each candidate of each tensor argument is asked with
+    every other tensor argument cut to its first candidate (the rule derives the others'
+    placements from the one it follows)."""
     try:
         with unset_fake_temporarily(), _planning_rules():
             return _dtensor_rule(node, args_schema, kwargs_schema, dmesh), None
