@@ -1,0 +1,76 @@
+"""Plans of the zoo, byte for byte: a change of structure must not change a plan.
+
+Each case plans a zoo example from the meta device and compares the plan's JSON (timings
+left out, as ``Plan.to_json`` does) with the file committed under ``tests/golden/``. A
+change that is meant to change plans (a new rule, a new cost term) regenerates them, and
+says so in its commit:
+
+    python tests/unit/test_golden_plans.py --regenerate
+
+The files are gzipped: a 2-layer model's plan is ~10k lines of JSON.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+import autopar
+from autopar.cli import plan_example
+
+GOLDEN = Path(__file__).resolve().parent.parent / "golden"
+
+# (example, mesh shape, axis names, device profile, memory fraction, fold)
+CASES = [
+    ("mlp", (2,), ("dp",), "h100", None, True),
+    ("mlp", (2, 2), ("dp", "tp"), "h100", 0.5, True),
+    ("gpt", (2,), ("dp",), "h100", None, True),
+    ("gpt", (2, 2), ("dp", "tp"), "h100", None, True),
+    ("gpt", (2, 2), ("dp", "tp"), "cpu", 0.5, True),
+    ("gpt", (4,), ("dp",), "h100", 0.3, False),
+    ("hf-gpt2", (2, 2), ("dp", "tp"), "h100", 0.5, True),
+    ("hf-llama", (2, 2), ("dp", "tp"), "h100", None, True),
+]
+
+
+def _name(case) -> str:
+    example, shape, _, device, fraction, fold = case
+    mesh = "x".join(map(str, shape))
+    budget = "" if fraction is None else f"-mem{fraction}"
+    return f"{example}-{mesh}-{device}{budget}{'' if fold else '-nofold'}.json.gz"
+
+
+def _plan_json(case) -> str:
+    example, shape, axes, device, fraction, fold = case
+    mesh = autopar.Mesh(shape, axes, device=device)
+    return plan_example(example, mesh, memory_fraction=fraction, fold=fold).to_json()
+
+
+@pytest.mark.parametrize("case", CASES, ids=_name)
+def test_plan_equals_the_committed_plan(case):
+    path = GOLDEN / _name(case)
+    want = gzip.decompress(path.read_bytes()).decode()
+    got = _plan_json(case)
+    if got != want:
+        a, b = json.loads(got), json.loads(want)
+        diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+        pytest.fail(f"{path.name}: the plan changed in {diff}")
+
+
+def _regenerate() -> None:
+    GOLDEN.mkdir(exist_ok=True)
+    for case in CASES:
+        path = GOLDEN / _name(case)
+        # mtime=0: the same plan gives the same bytes
+        path.write_bytes(gzip.compress(_plan_json(case).encode(), mtime=0))
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--regenerate"]:
+        sys.exit("usage: python tests/unit/test_golden_plans.py --regenerate")
+    _regenerate()
