@@ -6,15 +6,14 @@ plans per-operator sharding over the mesh with an ILP on a cost model, and retur
 processes or weights.
 """
 
-__version__ = "0.1.0"
-
-from .api import PlanMismatchError, compile, plan, plan_step  # noqa: E402
-from .mesh import Mesh  # noqa: E402
-from .plan import NodeChoice, Plan  # noqa: E402
+from .api import PlanMismatchError, compile, plan, plan_step
+from .core import Mesh, NodeChoice, Plan, __version__
+from .runtime import ParallelModule
 
 __all__ = [
     "Mesh",
     "NodeChoice",
+    "ParallelModule",
     "Plan",
     "PlanMismatchError",
     "compile",

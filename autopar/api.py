@@ -1,58 +1,74 @@
 """The public entry points: ``plan`` (no processes, no weights) and ``compile``.
 
-The driver runs the pipeline of DESIGN.md, one pass after another, and records each stage's
-time in ``plan.stats``:
+Both run the stages of passes/pipeline through its one driver (``run_stages``), which times
+each stage and records its size in ``plan.stats``:
 
-    trace (passes/trace) -> fold (passes/fold) -> strategies (passes/strategies)
-        -> solve (passes/solve)
-        -> Plan -> codegen (passes/codegen) -> ParallelModule (runtime/)
+    plan:     TRACE -> PLAN_STAGES (fold, strategies, solve) -> Plan.from_solution
+    compile:  TRACE -> rank 0 plans (PLAN_STAGES), every rank gets the Plan
+                    -> COMPILE_STAGES (codegen) -> ParallelModule (runtime/)
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 import logging
-import math
-import time
-import warnings
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
-import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
-from .mesh import Mesh
-from .plan import NodeChoice, Plan
+from .core import Mesh, Plan
+from .passes.pipeline import COMPILE_STAGES, PLAN_STAGES, TRACE, PlanOptions, run_stages
+from .passes.trace import StepGraph
+from .runtime import ParallelModule
 
 __all__ = ["plan", "compile", "plan_step", "PlanMismatchError"]
 
 log = logging.getLogger("autopar")
+
+_SEARCH_STAGES = tuple(s.name for s in PLAN_STAGES)
 
 
 class PlanMismatchError(ValueError):
     """A plan given to ``compile`` was made for another graph or mesh."""
 
 
-def _op_name(target) -> str:
-    if target == "placeholder":
-        return "placeholder"
-    if isinstance(target, torch._ops.OpOverload):
-        return str(target)
-    return getattr(target, "__name__", str(target))
+def _options(time_limit_s: float, memory_budget: float | None, fold: bool, skip) -> PlanOptions:
+    return PlanOptions(
+        time_limit_s=time_limit_s,
+        memory_budget=memory_budget,
+        skip=frozenset(skip) | (frozenset() if fold else {"fold"}),
+    )
 
 
 def plan_step(
-    step,
+    step: StepGraph,
     mesh: Mesh,
     *,
     time_limit_s: float = 600.0,
     memory_budget: float | None = None,
     fold: bool = True,
+    skip=(),
 ) -> Plan:
-    """Plan an already traced step graph (folding, strategies, then the ILP)."""
+    """Plan an already traced step graph: ``PLAN_STAGES``, then ``Plan.from_solution``."""
+    return _search(step, mesh, _options(time_limit_s, memory_budget, fold, skip))
+
+
+def _search(step: StepGraph, mesh: Mesh, options: PlanOptions, stats: dict | None = None) -> Plan:
+    """``PLAN_STAGES`` on ``step``; ``stats``: what earlier stages recorded (the trace's)."""
+    stats = dict(stats) if stats is not None else {"trace_s": step.trace_s}
+    state: dict[str, Any] = {"trace": step, "mesh": mesh, "options": options}
     with _gc_paused():
-        return _plan_step(step, mesh, time_limit_s, memory_budget, fold)
+        run_stages(PLAN_STAGES, state, stats, skip=options.skip)
+    stats["search_s"] = sum(stats.get(f"{name}_s", 0.0) for name in _SEARCH_STAGES)
+    return Plan.from_solution(
+        state["strategies"], state["solve"], fingerprint=step.fingerprint(), stats=stats
+    )
 
 
 @contextlib.contextmanager
@@ -65,8 +81,6 @@ def _gc_paused():
     collector's sight (not out of memory) until planning ends; what planning allocates is
     collected as usual. A process that froze objects itself is left alone.
     """
-    import gc
-
     if gc.get_freeze_count():
         yield
         return
@@ -77,119 +91,15 @@ def _gc_paused():
         gc.unfreeze()
 
 
-def _plan_step(step, mesh: Mesh, time_limit_s, memory_budget, fold) -> Plan:
-    from .passes.fold import fold_regions
-    from .passes.solve import solve
-    from .passes.strategies import build_strategies, placement_str
-
-    t0 = time.perf_counter()
-    folded = fold_regions(step) if fold else None
-    t_fold = time.perf_counter()
-    if folded is not None:
-        log.info("autopar: %s", folded.report())
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        space = build_strategies(step, mesh, folded=folded)
-    for w in caught:
-        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-    t1 = time.perf_counter()
-    sol = solve(space, time_limit_s=time_limit_s, memory_budget=memory_budget)
-    t2 = time.perf_counter()
-
-    def text(ps):
-        return None if ps is None else tuple(placement_str(p) for p in ps)
-
-    nodes = {}
-    for name in space.order:
-        s = space.strategies[name][sol.choice[name]]
-        nodes[name] = NodeChoice(
-            op=_op_name(space.targets[name]),
-            module=space.modules[name],
-            role=space.roles[name],
-            out=tuple(text(o) for o in s.out),
-            ins=tuple(text(i) for i in s.ins),
-            cost_s=sol.node_cost_s[name],
-        )
-    gm = step.gm
-    params, buffers, inputs = {}, {}, []
-    pi = bi = 0
-    param_shapes = {}
-    for n in step.placeholders():
-        role = n.meta["autopar_role"]
-        if role == "param":
-            params[step.param_names[pi]] = n.name
-            param_shapes[step.param_names[pi]] = list(n.meta["val"].shape)
-            pi += 1
-        elif role == "buffer":
-            buffers[step.buffer_names[bi]] = n.name
-            bi += 1
-        elif role in ("input", "target"):
-            inputs.append(n.name)
-    out_node = next(iter(gm.graph.find_nodes(op="output")))
-    outputs: list = [None] * len(out_node.args[0])
-    rep = ("R",) * mesh.ndim
-    for sink in space.sinks:
-        outputs[sink.position] = rep if sink.like is None else nodes[sink.like].out[0]
-
-    per_rank = total = 0
-    for name, node in params.items():
-        if name in step.alias_of:
-            continue  # a tied parameter is stored once
-        shape, dtype = space.shapes[node][0]
-        nbytes = math.prod(shape) * dtype.itemsize
-        shards = math.prod(
-            size for size, p in zip(mesh.shape, nodes[node].out[0]) if p.startswith("S")
-        )
-        total += nbytes
-        per_rank += nbytes // shards
-    by_kind: dict[str, float] = {}
-    colls = []
-    for label, c, t in sol.collectives:
-        by_kind[c.kind] = by_kind.get(c.kind, 0.0) + t
-        colls.append(
-            {
-                "edge": label,
-                "kind": c.kind,
-                "axis": mesh.axis_names[c.axis],
-                "nbytes": int(c.nbytes),
-                "group_size": int(c.group_size),
-                "time_s": t,
-            }
-        )
-    stats = dict(sol.stats)
-    stats.update(
-        trace_s=step.trace_s,
-        fold_s=t_fold - t0,
-        strategies_s=t1 - t_fold,
-        search_s=t2 - t0,
-        param_shapes=param_shapes,
-        fold=folded is not None,
-        **(folded.stats() if folded else {"fold_regions": 0, "folded_nodes": 0, "fold_groups": []}),
-    )
-    import autopar
-
-    return Plan(
-        fingerprint=step.fingerprint(),
-        mesh=mesh,
-        nodes=nodes,
-        params=params,
-        buffers=buffers,
-        inputs=tuple(inputs),
-        has_loss=step.has_loss,
-        outputs=tuple(outputs),
-        fallback_nodes=tuple(sorted(space.fallbacks)),
-        collectives=tuple(colls),
-        cost={
-            "compute_s": sol.compute_s,
-            "comm_s": sol.comm_s,
-            "total_s": sol.objective_s,
-            "comm_by_kind_s": dict(sorted(by_kind.items())),
-        },
-        memory={"param_bytes_per_rank": int(per_rank), "param_bytes_total": int(total)},
-        warnings=tuple(space.fallbacks[n] for n in sorted(space.fallbacks)),
-        stats=stats,
-        versions={"autopar": autopar.__version__, "torch": torch.__version__.split("+")[0]},
-    )
+def _trace(model, example_inputs, loss_fn, example_targets, stack, stats) -> StepGraph:
+    state = {
+        "model": model,
+        "example_inputs": example_inputs,
+        "loss_fn": loss_fn,
+        "example_targets": example_targets,
+        "stack": stack,
+    }
+    return run_stages([TRACE], state, stats)["trace"]
 
 
 def plan(
@@ -202,33 +112,28 @@ def plan(
     time_limit_s: float = 600.0,
     memory_budget: float | None = None,
     fold: bool = True,
+    skip=(),
 ) -> Plan:
     """Plan ``model`` for ``mesh`` without processes or weights (a meta model works).
 
     ``memory_budget``: bytes per rank for parameters, gradients and AdamW state.
     ``fold``: give the instances of a repeated layer one set of choices (passes/fold);
-    False plans every node on its own (slower, for comparison).
+    False plans every node on its own (slower, for comparison): the same as
+    ``skip={"fold"}``. ``skip``: names of pipeline stages not to run (passes/pipeline).
     """
-    from .passes.trace import trace_step
-
     if not isinstance(mesh, Mesh):
         raise TypeError(
             f"autopar.plan takes an autopar.Mesh, got {type(mesh).__name__}; "
             "for a torch DeviceMesh use autopar.Mesh.from_device_mesh(mesh)"
         )
+    options = _options(time_limit_s, memory_budget, fold, skip)
+    stats: dict = {}
     with contextlib.ExitStack() as stack:
-        step = trace_step(
-            model, example_inputs, loss_fn=loss_fn, example_targets=example_targets, stack=stack
-        )
-        return plan_step(
-            step, mesh, time_limit_s=time_limit_s, memory_budget=memory_budget, fold=fold
-        )
+        step = _trace(model, example_inputs, loss_fn, example_targets, stack, stats)
+        return _search(step, mesh, options, stats)
 
 
 def _check_world(device_mesh) -> None:
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh
-
     if not isinstance(device_mesh, DeviceMesh):
         raise TypeError(
             f"autopar.compile takes a torch DeviceMesh (init_device_mesh), got "
@@ -250,27 +155,25 @@ def _check_world(device_mesh) -> None:
 _PLAN_KEYS = itertools.count()  # every rank compiles in the same order: same keys
 
 
-def _plan_on_rank0(step, amesh: Mesh, time_limit_s, memory_budget, fold) -> Plan:
+def _plan_on_rank0(step: StepGraph, amesh: Mesh, options: PlanOptions, stats: dict) -> Plan:
     """Rank 0 plans, every rank receives the same plan (one solve, one answer).
 
     The plan travels through the process group's store: the other ranks block on a socket
     while rank 0 solves, instead of spinning in a collective and taking its CPU.
+    NOTE: ``_get_default_store`` is private; torch has no public handle on the store the
+    default process group was initialized with (tests/unit/test_torch_internals.py).
     """
-    import torch.distributed as dist
-
     store = dist.distributed_c10d._get_default_store()
     key = f"autopar/plan/{step.fingerprint()}/{next(_PLAN_KEYS)}"
     if dist.get_rank() == 0:
         try:
-            text = plan_step(
-                step, amesh, time_limit_s=time_limit_s, memory_budget=memory_budget, fold=fold
-            ).to_json(timings=True)
+            text = _search(step, amesh, options, stats).to_json(timings=True)
         except Exception as e:
             store.set(key, "error:" + f"{type(e).__name__}: {e}")
             raise
         store.set(key, "plan:" + text)
     else:
-        store.wait([key], timedelta(seconds=max(600.0, 4 * time_limit_s)))
+        store.wait([key], timedelta(seconds=max(600.0, 4 * options.time_limit_s)))
     value = store.get(key).decode()
     if value.startswith("error:"):
         raise RuntimeError(f"planning failed on rank 0: {value[len('error:') :]}")
@@ -289,7 +192,8 @@ def compile(  # noqa: A001 - the documented name
     time_limit_s: float = 600.0,
     memory_budget: float | None = None,
     fold: bool = True,
-):
+    skip=(),
+) -> ParallelModule:
     """Plan ``model`` for the torch ``DeviceMesh`` ``mesh`` and return a ``ParallelModule``.
 
     ``example_inputs`` (and ``example_targets``) are one global batch. With ``loss_fn``,
@@ -297,12 +201,9 @@ def compile(  # noqa: A001 - the documented name
     ``pm(*local_inputs)`` returns the outputs of the local batch. ``plan`` (a ``Plan`` or the
     path of its JSON) skips planning. ``device`` names the cost profile (default: h100 on
     cuda, cpu otherwise). ``memory_budget``: bytes per rank for parameters, gradients and
-    AdamW state. ``fold``: as in ``plan``.
+    AdamW state. ``fold``, ``skip``: as in ``plan``. The codegen stage's time and size are
+    in ``pm.stats``.
     """
-    from .passes.codegen import build_local_graph, compile_local_step
-    from .passes.trace import trace_step
-    from .runtime import ParallelModule
-
     _check_world(mesh)
     if any(p.is_meta for p in model.parameters()):
         raise ValueError(
@@ -310,14 +211,14 @@ def compile(  # noqa: A001 - the documented name
             "use autopar.plan to plan a meta model"
         )
     amesh = Mesh.from_device_mesh(mesh, device)
+    options = _options(time_limit_s, memory_budget, fold, skip)
     if isinstance(plan, (str, Path)):
         plan = Plan.load(plan)
+    stats: dict = {}
     with contextlib.ExitStack() as stack:
-        step = trace_step(
-            model, example_inputs, loss_fn=loss_fn, example_targets=example_targets, stack=stack
-        )
+        step = _trace(model, example_inputs, loss_fn, example_targets, stack, stats)
         if plan is None:
-            plan = _plan_on_rank0(step, amesh, time_limit_s, memory_budget, fold)
+            plan = _plan_on_rank0(step, amesh, options, stats)
         else:
             if plan.fingerprint != step.fingerprint():
                 raise PlanMismatchError(
@@ -329,14 +230,12 @@ def compile(  # noqa: A001 - the documented name
                 raise PlanMismatchError(
                     f"the plan is for mesh {plan.mesh.shape}, this mesh is {amesh.shape}"
                 )
-        t0 = time.perf_counter()
-        local = build_local_graph(step, plan, mesh)
-        fn = compile_local_step(step, local)
-        log.info("autopar: codegen + compile %.2f s", time.perf_counter() - t0)
-        if local.mismatches:
-            log.warning(
-                "autopar: %d ops ran with another placement than planned: %s",
-                len(local.mismatches),
-                "; ".join(local.mismatches[:5]),
-            )
-    return ParallelModule(model, plan, mesh, fn, step, local)
+        state = {"trace": step, "plan": plan, "dmesh": mesh}
+        compiled = run_stages(COMPILE_STAGES, state, stats, skip=options.skip)["codegen"]
+    if compiled.mismatches:
+        log.warning(
+            "autopar: %d ops ran with another placement than planned: %s",
+            len(compiled.mismatches),
+            "; ".join(compiled.mismatches[:5]),
+        )
+    return ParallelModule(model, plan, mesh, compiled, stats=stats)

@@ -16,6 +16,10 @@ import argparse
 import sys
 import warnings
 
+from . import api
+from .core import Mesh, Plan
+from .verify import resolve_example, verify
+
 __all__ = ["main", "plan_example"]
 
 
@@ -56,9 +60,6 @@ def plan_example(
     ``memory_fraction`` sets the memory budget to that fraction of the whole model's
     parameter state (parameters, gradients, AdamW moments).
     """
-    import autopar
-    from autopar.verify import resolve_example
-
     model, inputs, loss_fn, targets = resolve_example(name)(batch=batch)
     if memory_fraction is not None:
         full = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -68,7 +69,7 @@ def plan_example(
     targets = tuple(t.to("meta") for t in targets)
     with warnings.catch_warnings():
         warnings.simplefilter("default" if verbose else "ignore")
-        return autopar.plan(
+        return api.plan(
             model,
             mesh,
             inputs,
@@ -80,10 +81,8 @@ def plan_example(
 
 
 def cmd_plan(args) -> int:
-    import autopar
-
     shape = args.mesh
-    mesh = autopar.Mesh(shape, _axes(shape, args.axes), device=args.device)
+    mesh = Mesh(shape, _axes(shape, args.axes), device=args.device)
     budget = args.memory_budget_mib * 2**20 if args.memory_budget_mib else None
     plan = plan_example(
         args.model,
@@ -101,8 +100,6 @@ def cmd_plan(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from autopar.verify import verify
-
     shape = args.mesh
     names = _axes(shape, args.axes)
     print(
@@ -120,9 +117,7 @@ def cmd_demo(args) -> int:
         memory_fraction=args.memory_fraction,
     )
     r = reports[0]
-    import autopar
-
-    plan = autopar.Plan.from_json(r.plan_json)
+    plan = Plan.from_json(r.plan_json)
     print(plan.summary())
     print()
     print(f"{'step':>4}  {'autopar loss':>20}  {'single-device loss':>20}  {'rel diff':>9}")

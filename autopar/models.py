@@ -4,7 +4,8 @@ Shapes: B batch, S sequence, H hidden, V vocab, F feed-forward width.
 
 - ``MLP``: a stack of Linear + GELU blocks with a regression head.
 - ``GPT``: a GPT-style decoder (token + position embedding, pre-norm blocks with
-  causal self-attention and a GELU MLP, tied-free LM head).
+  causal self-attention and a GELU MLP, an LM head, tied to the token embedding with
+  ``GPTConfig(tied=True)``: example ``gpt-tied``).
 - ``hf_gpt2`` / ``hf_llama``: Hugging Face models built from small configs with random
   weights (nothing is downloaded).
 
@@ -62,6 +63,8 @@ class GPTConfig:
     heads: int = 4
     layers: int = 2
     ffn: int = 256
+    tied: bool = False
+    """The LM head shares the token embedding's weight."""
 
 
 class CausalSelfAttention(nn.Module):
@@ -111,6 +114,8 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
         self.ln_f = nn.LayerNorm(cfg.hidden)
         self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+        if cfg.tied:
+            self.head.weight = self.tok.weight
 
     def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
         S = tokens_BS.shape[1]
@@ -201,6 +206,12 @@ def _gpt_example(batch: int = 8):
     return GPT(cfg), (tokens,), cross_entropy_loss, (targets,)
 
 
+def _gpt_tied_example(batch: int = 8):
+    cfg = GPTConfig(tied=True)
+    tokens, targets = lm_batch(cfg.vocab, batch, cfg.seq)
+    return GPT(cfg), (tokens,), cross_entropy_loss, (targets,)
+
+
 def _hf_gpt2_example(batch: int = 8):
     tokens, targets = lm_batch(128, batch, 32)
     return hf_gpt2(), (tokens,), hf_logits_loss, (targets,)
@@ -239,6 +250,7 @@ def _gpt3_example(batch: int = 8):
 EXAMPLES = {
     "mlp": _mlp_example,
     "gpt": _gpt_example,
+    "gpt-tied": _gpt_tied_example,
     "hf-gpt2": _hf_gpt2_example,
     "hf-llama": _hf_llama_example,
     "llama3-8b": _llama3_8b_example,

@@ -10,10 +10,20 @@ losses, the largest relative gradient error and the largest relative parameter e
 from __future__ import annotations
 
 import copy
+import importlib.util
+import math
 import warnings
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from . import api
+from .core import Plan
+from .models import EXAMPLES
+from .passes.strategies import NoRuleWarning
+from .runtime import run_local
 
 __all__ = ["VerifyReport", "verify", "verify_rank", "resolve_example"]
 
@@ -29,6 +39,8 @@ class VerifyReport:
         param_rel_err: the same for the parameters after the optimizer steps.
         predicted / ran: collective counts the plan predicts and that the compiled graph runs.
         mismatches: ops that ran with another placement than planned.
+        local_params / model_params: how many parameters the parallel module and the model
+            hold (a tied weight is one parameter in both).
     """
 
     losses: list[float]
@@ -40,18 +52,16 @@ class VerifyReport:
     predicted: dict = field(default_factory=dict)
     ran: dict = field(default_factory=dict)
     mismatches: list[str] = field(default_factory=list)
+    local_params: int = 0
+    model_params: int = 0
     plan_json: str = ""
 
 
 def resolve_example(name: str):
     """A factory by built-in name (``autopar.models.EXAMPLES``) or ``path/to/file.py:fn``."""
-    from .models import EXAMPLES
-
     if name in EXAMPLES:
         return EXAMPLES[name]
     if ":" in name:
-        import importlib.util
-
         path, fn = name.rsplit(":", 1)
         spec = importlib.util.spec_from_file_location("autopar_user_model", path)
         if spec is None or spec.loader is None:
@@ -97,12 +107,6 @@ def verify_rank(
     batch: int = 8,
     memory_fraction: float | None = None,
 ) -> VerifyReport:
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    import autopar
-    from autopar.passes.strategies import NoRuleWarning
-
     dt = getattr(torch, dtype)
     torch.manual_seed(0)
     model, inputs, loss_fn, targets = resolve_example(example)(batch=batch)
@@ -112,7 +116,7 @@ def verify_rank(
     ref = copy.deepcopy(model)
 
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=axis_names)
-    plan = autopar.Plan.from_json(plan_json) if plan_json else None
+    plan = Plan.from_json(plan_json) if plan_json else None
     budget = None
     if memory_fraction is not None:
         full = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -120,7 +124,7 @@ def verify_rank(
     with warnings.catch_warnings():
         # ops without a rule are listed in the plan's warnings; one copy per rank is noise
         warnings.simplefilter("ignore", NoRuleWarning)
-        pm = autopar.compile(
+        pm = api.compile(
             model,
             mesh,
             inputs,
@@ -163,16 +167,14 @@ def verify_rank(
         predicted=pm.plan.collective_counts(),
         ran=pm.collective_counts(),
         mismatches=pm.mismatches,
+        local_params=len(list(pm.parameters())),
+        model_params=len(list(ref.parameters())),
         plan_json=pm.plan.to_json(timings=True) if rank == 0 else "",
     )
 
 
 def verify(example: str, mesh_shape, axis_names, **kwargs) -> list[VerifyReport]:
     """Run ``verify_rank`` on a local gloo mesh; returns every rank's report."""
-    import math
-
-    from .runtime import run_local
-
     world = math.prod(mesh_shape)
     return run_local(
         verify_rank, world, example, tuple(mesh_shape), tuple(axis_names), *_args(kwargs)

@@ -76,7 +76,7 @@ def main() -> None:
             print(
                 f"| {name} | {text} | {st['nodes']} | {st['solver_nodes']} | {st['variables']} "
                 f"| {st['trace_s']:.1f} | {st['fold_s']:.2f} | {st['strategies_s']:.1f} "
-                f"| {st['cost_s'] + st['build_s']:.1f} | {st['solve_s']:.1f} | {wall:.1f} "
+                f"| {st['cost_s'] + st['build_s']:.1f} | {st['ilp_s']:.1f} | {wall:.1f} "
                 f"| {plan.cost['total_s'] * 1e3:.0f} | {state:.1f} |",
                 flush=True,
             )

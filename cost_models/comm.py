@@ -58,14 +58,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from autopar.mesh import Mesh
+from autopar.core import COLLECTIVE_KINDS, Collective, Mesh
 
 from .devices import DeviceProfile, get_profile
 
@@ -78,37 +77,6 @@ __all__ = [
     "redistribute_collectives",
     "redistribute_time",
 ]
-
-COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
-
-
-@dataclass(frozen=True, slots=True)
-class Collective:
-    """One collective on one mesh axis.
-
-    Attributes:
-        kind: one of ``COLLECTIVE_KINDS``.
-        axis: the mesh axis it runs over.
-        nbytes: for all_gather / reduce_scatter / all_reduce, the bytes of the tensor unsharded
-            along ``axis`` (the gathered output, the scattered input); for all_to_all, the
-            bytes of one rank's local buffer.
-        group_size: ranks in the group (the size of ``axis``).
-    """
-
-    kind: str
-    axis: int
-    nbytes: int
-    group_size: int
-
-    def __post_init__(self):
-        if self.kind not in COLLECTIVE_KINDS:
-            raise ValueError(
-                f"unknown collective kind {self.kind!r}; use one of {COLLECTIVE_KINDS}"
-            )
-        if self.axis < 0 or self.nbytes < 0 or self.group_size < 1:
-            raise ValueError(
-                f"Collective needs axis >= 0, nbytes >= 0, group_size >= 1; got {self}"
-            )
 
 
 def axis_link(mesh: Mesh, axis: int, profile: DeviceProfile | None = None) -> tuple[float, float]:
@@ -273,6 +241,7 @@ def _plan(
         if kind is not None:
             shape = _local_shape(global_shape, current, mesh_shape, skip_axis=axis)
             if kind == "all_to_all":
+                assert isinstance(cur, Shard)
                 shape[cur.dim] = -(-shape[cur.dim] // n)
             out.append(Collective(kind, axis, math.prod(shape) * itemsize, n))
         current[axis] = target

@@ -1,9 +1,10 @@
 """Rewrite the global step graph into the local step graph one rank runs.
 
 Takes: the ``StepGraph`` (passes/trace), a ``Plan`` and a torch ``DeviceMesh`` with its
-process groups. Returns: a new joint ``GraphModule`` over local shards, with functional
-collectives (``_c10d_functional.*``) where the plan redistributes, ready for aot_autograd to
-partition and compile (``compile_local_step``).
+process groups. Returns: a ``CompiledStep`` (core/compiled.py) for the runtime: the local
+joint ``GraphModule`` over local shards, with functional collectives (``_c10d_functional.*``)
+where the plan redistributes (``build_local_graph``), partitioned and compiled by
+aot_autograd (``compile_local_step``). ``codegen`` does both.
 
 How: an ``fx.Interpreter`` runs the global graph on local tensors, node by node, and
 ``make_fx`` records what it does. For each node, with strategy ``s``:
@@ -28,15 +29,33 @@ import operator
 from dataclasses import dataclass, field
 
 import torch
+import torch.fx.traceback as fx_traceback
+from torch._functorch._aot_autograd.subclass_utils import create_subclass_meta
+from torch._functorch.aot_autograd import aot_compile_joint_with_descriptors
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._redistribute import redistribute_local_tensor
+from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._pytree import tree_flatten, tree_map
 
-from .strategies import contiguous_stride, local_shape, parse_placement
+from autopar.core import (
+    CompiledStep,
+    Plan,
+    contiguous_stride,
+    local_shape,
+    parse_placements,
+    roles,
+)
+
 from .trace import StepGraph
 
-__all__ = ["LocalStep", "build_local_graph", "compile_local_step", "count_collectives"]
+__all__ = [
+    "LocalStep",
+    "build_local_graph",
+    "codegen",
+    "compile_local_step",
+    "count_collectives",
+]
 
 
 @dataclass
@@ -75,7 +94,7 @@ class _Localizer(torch.fx.Interpreter):
         return self.plan.nodes[name]
 
     def _ps(self, texts):
-        return tuple(parse_placement(t) for t in texts)
+        return parse_placements(texts)
 
     def _redistribute(self, t, src_ps, dst_ps, val):
         if src_ps == dst_ps or not isinstance(t, torch.Tensor):
@@ -174,19 +193,15 @@ class _Localizer(torch.fx.Interpreter):
         return type(outs)(new) if isinstance(outs, tuple) else new
 
 
-def build_local_graph(step: StepGraph, plan, dmesh) -> LocalStep:
+def build_local_graph(step: StepGraph, plan: Plan, dmesh) -> LocalStep:
     """Trace the local step graph of ``plan`` on ``dmesh`` (see the module docstring)."""
-    from torch.fx.experimental.proxy_tensor import make_fx
-
     interp = _Localizer(step, plan, dmesh)
     local_args = []
     for n in step.placeholders():
         val = n.meta["val"]
-        ps = tuple(parse_placement(t) for t in plan.nodes[n.name].out[0])
+        ps = plan.placements_of(n.name)
         shape = local_shape(tuple(val.shape), ps, dmesh.shape)
         local_args.append(torch.empty(shape, dtype=val.dtype, device=val.device))
-    import torch.fx.traceback as fx_traceback
-
     with fx_traceback.preserve_node_meta():
         gm = make_fx(interp.run)(*local_args)
     gm.graph.eliminate_dead_code()
@@ -209,10 +224,13 @@ def build_local_graph(step: StepGraph, plan, dmesh) -> LocalStep:
 
 
 def compile_local_step(step: StepGraph, local: LocalStep):
-    """Swap the local graph into aot_autograd's joint and compile forward and backward."""
-    from torch._functorch._aot_autograd.subclass_utils import create_subclass_meta
-    from torch._functorch.aot_autograd import aot_compile_joint_with_descriptors
+    """Swap the local graph into aot_autograd's joint and compile forward and backward.
 
+    NOTE: aot_autograd has no public way to compile a joint graph other than the one it
+    exported; the graph and the state derived from the global arguments (``_aot_state``,
+    ``_aot_graph_capture``) are swapped for the local ones. tests/unit/test_torch_internals.py
+    fails if these attributes move.
+    """
     jd = step.joint
     gm = local.gm
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -261,3 +279,23 @@ def count_collectives(gm: torch.fx.GraphModule, dmesh) -> dict[tuple[str, str], 
         key = (kind, group_axis.get(group, str(group)))
         counts[key] = counts.get(key, 0) + 1
     return dict(sorted(counts.items()))
+
+
+def codegen(step: StepGraph, plan: Plan, dmesh) -> CompiledStep:
+    """The compiled local step of ``plan`` on ``dmesh``, as the runtime takes it."""
+    local = build_local_graph(step, plan, dmesh)
+    fn = compile_local_step(step, local)
+    return CompiledStep(
+        fn=fn,
+        gm=local.gm,
+        param_names=list(step.param_names),
+        buffer_names=list(step.buffer_names),
+        alias_of=dict(step.alias_of),
+        input_shapes=[
+            tuple(n.meta["val"].shape)
+            for n in step.placeholders()
+            if n.meta[roles.META_ROLE] in roles.BATCH_ROLES
+        ],
+        collective_counts=count_collectives(local.gm, dmesh),
+        mismatches=list(local.mismatches),
+    )

@@ -40,9 +40,14 @@ from __future__ import annotations
 import hashlib
 import time
 from collections import Counter, defaultdict
+from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
+
+from autopar.core import roles
 
 from .trace import StepGraph
 
@@ -196,7 +201,9 @@ def _shape_key(v):
 
 
 def _canonical(
-    members: list[torch.fx.Node], out_kind: dict[str, list], attached: set[str] = frozenset()
+    members: list[torch.fx.Node],
+    out_kind: dict[str, list],
+    attached: AbstractSet[str] = frozenset(),
 ) -> tuple:
     """The labelled graph of a region as a tuple: equal tuples, isomorphic regions.
 
@@ -216,11 +223,12 @@ def _canonical(
 
     form = []
     for n in members:
+        args: tuple
         if n.op == "placeholder":
-            head = ("placeholder", n.meta.get("autopar_role", ""))
+            head = ("placeholder", n.meta.get(roles.META_ROLE, ""))
             args = ()
         else:
-            head = (str(n.target), n.meta.get("autopar_role", ""))
+            head = (str(n.target), n.meta.get(roles.META_ROLE, ""))
             args = (form_of(n.args), form_of(n.kwargs))
         outs = tuple(
             ("grad", local.get(like, "ext")) if like else ("plain",)
@@ -240,19 +248,19 @@ def fold_regions(step: StepGraph) -> FoldedGraph:
     pi = bi = 0
     param_node: dict[str, str] = {}
     for n in nodes:
-        role = n.meta.get("autopar_role", "")
+        role = n.meta.get(roles.META_ROLE, "")
         if n.op == "placeholder":
-            if role == "param":
+            if role == roles.PARAM:
                 param_node[step.param_names[pi]] = n.name
                 region[n.name] = region_of_path(step.param_names[pi])
                 pi += 1
-            elif role == "buffer":
+            elif role == roles.BUFFER:
                 region[n.name] = region_of_path(step.buffer_names[bi])
                 bi += 1
             else:
                 region[n.name] = ""
             continue
-        path = n.meta.get("autopar_module", "")
+        path = n.meta.get(roles.META_MODULE, "")
         region[n.name] = region_of_path(path)
         if not path:
             free.add(n.name)
@@ -260,8 +268,7 @@ def fold_regions(step: StepGraph) -> FoldedGraph:
 
     # which graph outputs a node feeds: a gradient (of which parameter) or a plain output
     out_kind: dict[str, list] = defaultdict(list)
-    out_node = step.output_node()
-    for pos, a in enumerate(out_node.args[0]):
+    for pos, a in enumerate(cast(Sequence, step.output_node().args[0])):
         if isinstance(a, torch.fx.Node):
             like = param_node.get(step.grad_of[pos]) if pos in step.grad_of else None
             out_kind[a.name].append(like)

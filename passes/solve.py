@@ -1,25 +1,31 @@
 """Choose one strategy per node: an integer linear program over the strategy space.
 
 Takes: a ``StrategySpace`` (passes/strategies) and the device profile of its mesh.
-Returns: a ``Solution``: the chosen strategy of every node, the predicted collectives, the
-cost breakdown and the solver's statistics. Only this pass imports the cost models.
+Returns: a ``Solution`` (core/space.py): the chosen strategy of every node, the predicted
+collectives, the cost breakdown and the solver's statistics. Only this pass imports the
+cost models.
+
+``solve`` = ``build_ilp`` (the terms below, one ``IlpBuilder`` method each) -> HiGHS
+(``_run``) -> ``read_solution``.
 
 The ILP (Alpa's intra-operator formulation):
 
     variables
-        x[v,k] in {0,1}        node v takes its k-th strategy
+        x[v,k] in {0,1}        node v takes its k-th strategy          (``node_variables``)
         e[u,p,v,q] in [0,1]    edge u->v carries placement p at u's output
-                               and placement q at v's input                (``add_edge``)
+                               and placement q at v's input            (``edge_variables``,
+                                                                        ``_pair_variables``)
     constraints
         sum_k x[v,k] = 1                                 one strategy per node
         sum_q e[u,p,v,q] = Y[u,p] := sum_{k: out_k = p} x[u,k]         (``out_group``)
         sum_p e[u,p,v,q] = Z[v,q] := sum_{k: in_k  = q} x[v,k]         (``in_group``)
         e[u,p,v,q] absent       when DTensor cannot go from p to q (e.g. Shard -> Partial)
         Z[a,q] = Z[b,q]         for tied nodes (tied parameters; the inputs and outputs of
-                               a model without a loss)
+                               a model without a loss)                  (``tie_constraints``)
         sum_{params v,k} 4 * bytes(v, k) x[v,k] <= budget   (optional ``memory_budget``:
-                               parameter, gradient and two AdamW moments per rank)
-    objective (seconds)
+                               parameter, gradient and two AdamW moments per rank;
+                               ``memory_terms``, ``memory_constraint``)
+    objective (seconds)                                                 (``objective``)
         min  sum_{v,k} C[v,k] x[v,k]  +  sum_{edges} R(p, q) e[u,p,v,q]
 
 ``C[v,k]`` is the roofline time of node v's op on the local shapes of strategy k (for a
@@ -27,17 +33,20 @@ batch input: the time to read its local part, bytes / memory bandwidth)
 (``cost_models.compute.compute_time``, in ``_node_costs``); ``R(p, q)`` the alpha-beta time
 of the collectives that redistribute the tensor from p to q
 (``cost_models.comm.redistribute_time``, in ``_edge_cost``). Graph outputs are edges into
-fixed or tied placements (``Sink``): the loss into Replicate on every axis, a gradient into
-its parameter's placement. A gradient's reduction runs while the backward pass goes on
-(as DDP and FSDP overlap it), so its edge counts ``(1 - grad_overlap)`` of R(p, q)
-(``GRAD_OVERLAP`` = 0.75 by default): without it, a model whose gradients outweigh its
-activations would always put tensor parallelism on the slowest axis. Since x is one-hot,
-the margins of each edge's e are one-hot, which forces e to the single pair (p, q)
-chosen, so e needs no integrality.
+fixed or tied placements (``Sink``, ``output_terms``): the loss into Replicate on every
+axis, a gradient into its parameter's placement. A gradient's reduction runs while the
+backward pass goes on (as DDP and FSDP overlap it), so its edge counts
+``(1 - grad_overlap)`` of R(p, q) (``GRAD_OVERLAP`` = 0.75 by default): without it, a model
+whose gradients outweigh its activations would always put tensor parallelism on the
+slowest axis. Since x is one-hot, the margins of each edge's e are one-hot, which forces e
+to the single pair (p, q) chosen, so e needs no integrality.
 
-Folding (passes/fold, ``StrategySpace.rep``): the instances of a folded region take their
-representative's strategy, so only representatives have variables. With r(v) the
-representative of v:
+An impossible ``memory_budget`` is reported with the smallest one that fits
+(``smallest_budget``): the same ILP without the budget, minimizing the memory terms.
+
+Folding (passes/fold, ``StrategySpace.rep``; ``_Folding``): the instances of a folded
+region take their representative's strategy, so only representatives have variables. With
+r(v) the representative of v:
 
     x[v,k] = x[r(v),k]
     C[r,k] is counted n_r times, n_r = |{v : r(v) = r}|
@@ -54,7 +63,7 @@ Simplifications (each loses optimality only in the case it names):
        an elementwise op of one tensor, a getitem: ``_follows``) is not resharded right
        before it when it accepts its producer's placement: pairs (p, q != p) are left out.
        Where it accepts every placement its producer can give, it is merged into the
-       producer (``merge_source`` in ``solve``): no variables and no edge of its own,
+       producer (``IlpBuilder.merge_source``): no variables and no edge of its own,
        x[v,k] = Y[u, ins_k], and C[v,k] is added to the producer's variables that give
        ins_k (folded: when every instance of v follows an instance of one representative
        u). Loses where resharding right before such a node beats resharding later; on the
@@ -65,29 +74,35 @@ Simplifications (each loses optimality only in the case it names):
        (graph outputs, e.g. a gradient all-reduced over every axis, keep all pairs). On a
        2-D mesh this cuts the edge variables about 6x; on the zoo's 2-layer GPT on (2, 2)
        with a parameter budget of half the model (cpu profile, measured before the
-       gradient-overlap term below) the objective rose 3.4% (4.548 -> 4.705 ms) while
+       gradient-overlap term above) the objective rose 3.4% (4.548 -> 4.705 ms) while
        the solve dropped from 115 s to 13 s.
 
-Solved to within ``MIP_GAP`` (0.1%) of the optimum with HiGHS through OR-Tools'
-``pywraplp`` (single thread: deterministic). Ties in the objective are broken towards the
-earlier strategy by a tiny (1e-9 s) preference, so that the same problem gives the same plan.
+Solved to within ``mip_gap`` (default ``MIP_GAP``, 0.1%) of the optimum with HiGHS through
+OR-Tools' ``pywraplp`` (single thread: deterministic). Ties in the objective are broken
+towards the earlier strategy by a tiny (1e-9 s) preference, so that the same problem gives
+the same plan.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import os
+import sys
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
 
 import torch
+from ortools.linear_solver import pywraplp
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils._pytree import tree_map
 
+from autopar.core import Collective, Solution, StrategySpace, TensorInput, local_shape, roles
 from autopar.cost_models import (
-    Collective,
+    DeviceProfile,
     collectives_time,
     compute_time,
     get_profile,
@@ -95,50 +110,31 @@ from autopar.cost_models import (
     redistribute_time,
 )
 
-from .strategies import Strategy, StrategySpace, TensorInput, local_shape
-
-__all__ = ["Solution", "SolveError", "solve"]
+__all__ = ["GRAD_OVERLAP", "MIP_GAP", "STATE_COPIES", "IlpBuilder", "SolveError", "solve"]
 
 
 class SolveError(RuntimeError):
     """The ILP has no solution or the solver failed."""
 
 
-@dataclass
-class Solution:
-    """The chosen strategy per node and what it costs.
-
-    Attributes:
-        choice: node name -> index into ``space.strategies[node]``.
-        objective_s: the ILP objective (seconds of one step, compute + communication).
-        compute_s / comm_s: its two parts.
-        collectives: (edge text, Collective, seconds) for every collective the plan runs.
-        stats: solver statistics (variables, constraints, status, seconds).
-    """
-
-    choice: dict[str, int]
-    objective_s: float
-    compute_s: float
-    comm_s: float
-    collectives: list[tuple[str, Collective, float]] = field(default_factory=list)
-    node_cost_s: dict[str, float] = field(default_factory=dict)
-    stats: dict = field(default_factory=dict)
-
-
 STATE_COPIES = 4  # parameter + gradient + AdamW exp_avg + exp_avg_sq
 GRAD_OVERLAP = 0.75  # share of gradient-reduction time hidden behind backward compute
 MIP_GAP = 1e-3  # stop within 0.1% of the optimum
 _SCALE = 1e6  # seconds -> microseconds inside the ILP, to keep coefficients well scaled
+_MIB = 2**20  # bytes -> MiB in the smallest-budget ILP's objective
+
+_STATE_ROLES = (roles.PARAM, roles.BUFFER, roles.INPUT, roles.TARGET, roles.TANGENT)
 
 
-def _node_costs(space: StrategySpace, name: str, profile) -> list[float]:
+def _node_costs(space: StrategySpace, name: str, profile: DeviceProfile) -> list[float]:
+    """C[v,k] for every strategy k of node ``name`` (seconds)."""
     target = space.targets[name]
     strats = space.strategies[name]
-    if target == "placeholder" and space.roles[name] in ("input", "target"):
+    if target == "placeholder" and space.roles[name] in roles.BATCH_ROLES:
         # the batch is read into device memory: each rank reads its local part
-        shape, dtype = space.shapes[name][0]
+        shape, dtype = space.tensor(name)
         return [
-            math.prod(local_shape(shape, s.out[0], space.mesh.shape))
+            math.prod(local_shape(shape, s.output(), space.mesh.shape))
             * dtype.itemsize
             / profile.mem_bandwidth
             for s in strats
@@ -146,7 +142,7 @@ def _node_costs(space: StrategySpace, name: str, profile) -> list[float]:
     if target == "placeholder" or not isinstance(target, torch._ops.OpOverload):
         return [0.0] * len(strats)
     args, kwargs = space.calls[name]
-    in_shapes = [space.shapes[src][src_out] for src, src_out in space.in_sources[name]]
+    in_shapes = [space.tensor(src, src_out) for src, src_out in space.in_sources[name]]
     outs = space.shapes[name]
     dtype = next((sd[1] for sd in outs if sd is not None), torch.float32)
     mesh_shape = space.mesh.shape
@@ -182,9 +178,7 @@ def _node_costs(space: StrategySpace, name: str, profile) -> list[float]:
 
 @contextlib.contextmanager
 def _quiet_stdout():
-    import os
-    import sys
-
+    """HiGHS prints a banner on the process's stdout (fd 1), below Python's reach."""
     sys.stdout.flush()
     saved = os.dup(1)
     devnull = os.open(os.devnull, os.O_WRONLY)
@@ -207,6 +201,7 @@ def _follows(space: StrategySpace, name: str) -> bool:
 
 
 def _edge_cost(src_ps, dst_ps, shape_dtype, mesh, profile) -> float | None:
+    """R(p, q) in seconds; None where DTensor cannot redistribute p -> q."""
     if src_ps == dst_ps:
         return 0.0
     if any(type(p) is _StridedShard for p in src_ps + dst_ps):
@@ -219,6 +214,398 @@ def _edge_cost(src_ps, dst_ps, shape_dtype, mesh, profile) -> float | None:
         return None
 
 
+@dataclass
+class _Folding:
+    """Representatives (module docstring, "Folding"): r(v), n_r, and the producers of each
+    representative's inputs where every instance agrees on them."""
+
+    rep_of: dict[str, str]
+    count: dict[str, int]
+    reps: list[str]
+    qsrc: dict[str, tuple | None]
+
+    @classmethod
+    def of(cls, space: StrategySpace) -> _Folding:
+        rep_of = space.rep
+        count: dict[str, int] = defaultdict(int)
+        for name in space.order:
+            count[rep_of.get(name, name)] += 1
+        reps = [n for n in space.order if rep_of.get(n, n) == n]
+        # None where the instances' producers differ: such a node is not merged
+        qsrc: dict[str, tuple | None] = {}
+        for name in space.order:
+            srcs = tuple((rep_of.get(s, s), so) for s, so in space.in_sources[name])
+            r = rep_of.get(name, name)
+            if r not in qsrc:
+                qsrc[r] = srcs
+            elif qsrc[r] != srcs:
+                qsrc[r] = None
+        return cls(rep_of, count, reps, qsrc)
+
+    def rep(self, name: str) -> str:
+        return self.rep_of.get(name, name)
+
+
+@dataclass
+class _EdgeTerm:
+    """A priced pair of an edge: the variables that are 1 when it is taken, and its cost."""
+
+    labels: list[str]
+    var: Any  # one e variable, or a list of x variables (a sink into a fixed placement)
+    src_ps: tuple
+    dst_ps: tuple
+    cost_s: float
+    shape_dtype: tuple
+
+
+class IlpBuilder:
+    """The ILP of the module docstring over ``space``, built one family of terms at a time.
+
+    ``build_ilp`` calls the methods in order; ``read_solution`` reads the result back.
+    Objective coefficients gather in ``coef`` (variable -> microseconds) until
+    ``objective`` sets them.
+    """
+
+    def __init__(
+        self,
+        space: StrategySpace,
+        profile: DeviceProfile,
+        *,
+        solver: str,
+        merge: bool = True,
+        reshard_axes: int | None = 1,
+        grad_overlap: float = GRAD_OVERLAP,
+    ):
+        if not 0.0 <= grad_overlap < 1.0:
+            raise ValueError(f"grad_overlap must be in [0, 1), got {grad_overlap}")
+        self.space = space
+        self.profile = profile
+        self.merge = merge
+        self.reshard_axes = reshard_axes
+        self.grad_overlap = grad_overlap
+        self.solver = solver
+        with _quiet_stdout():
+            lp = pywraplp.Solver.CreateSolver(solver)
+        if lp is None:
+            raise SolveError(f"OR-Tools has no {solver} solver in this build")
+        lp.SetNumThreads(1)
+        lp.SuppressOutput()
+        self.lp = lp
+        self.folding = _Folding.of(space)
+        # x[name][k]: the base variables whose sum is x[v,k] (a merged node has none of its
+        # own: its entries are its producer's, ``merge_source``)
+        self.x: dict[str, list[list[Any]]] = {}
+        self.coef: dict = defaultdict(float)
+        self.node_cost: dict[str, list[float]] = {}
+        self.merged: set[str] = set()
+        self.edge_terms: list[_EdgeTerm] = []
+        self.n_edge_vars = 0
+        self.times: dict[str, float] = {}
+
+    # -- margins ---------------------------------------------------------------------------
+
+    def out_group(self, name: str, idx: int) -> dict:
+        """Y[u, p]: the x variables of ``name`` whose output ``idx`` is placed p, by p."""
+        g = defaultdict(list)
+        for k, s in enumerate(self.space.strategies[name]):
+            if s.out[idx] is not None:
+                g[s.out[idx]].extend(self.x[name][k])
+        return g
+
+    def in_group(self, name: str, j: int) -> dict:
+        """Z[v, q]: the x variables of ``name`` whose input ``j`` is placed q, by q."""
+        g = defaultdict(list)
+        for k, s in enumerate(self.space.strategies[name]):
+            g[s.ins[j]].extend(self.x[name][k])
+        return g
+
+    # -- x, one-hot, C -------------------------------------------------------------------
+
+    def merge_source(self, name: str) -> tuple[str, int] | None:
+        """The producer (representative, output) node ``name`` is merged into, if any."""
+        if not self.merge:
+            return None
+        if self.space.roles.get(name) in _STATE_ROLES:
+            return None
+        if not _follows(self.space, name):
+            return None
+        srcs = self.folding.qsrc[name]
+        return srcs[0] if srcs is not None and len(srcs) == 1 else None
+
+    def node_variables(self) -> None:
+        """x[v,k] with sum_k x[v,k] = 1 for every representative, and C[v,k] * n_v.
+
+        A follower is made after its producer. Folding can order a representative before
+        the producer it merges into (a layer's input comes from the previous layer): walk
+        the chain of producers first; a chain that closes on itself is cut (the node gets
+        variables)."""
+        visiting: set[str] = set()
+        for name in self.folding.reps:
+            chain = []
+            v = name
+            while v not in self.x and v not in visiting:
+                visiting.add(v)
+                chain.append(v)
+                src = self.merge_source(v)
+                if src is None:
+                    break
+                v = src[0]
+            for w in reversed(chain):
+                self._node(w)
+
+    def _node(self, name: str) -> None:
+        strats = self.space.strategies[name]
+        if not strats:
+            raise SolveError(f"node {name} has no strategy")
+        costs = _node_costs(self.space, name, self.profile)
+        self.node_cost[name] = costs
+        src = self.merge_source(name)
+        groups = self.out_group(*src) if src and src[0] in self.x else None
+        if groups is not None and set(groups) <= {st.ins[0] for st in strats}:
+            self.x[name] = [list(groups.get(st.ins[0], [])) for st in strats]
+            self.merged.add(name)
+        else:
+            vs = [self.lp.BoolVar(f"x_{name}_{k}") for k in range(len(strats))]
+            self.lp.Add(sum(vs) == 1)
+            self.x[name] = [[v] for v in vs]
+            for k, v in enumerate(vs):
+                # tie-break: prefer earlier strategies by a hair
+                self.coef[v] += 1e-9 * k / len(vs)
+        for k, c in enumerate(costs):
+            for v in self.x[name][k]:
+                self.coef[v] += c * self.folding.count[name] * _SCALE
+
+    # -- e, margins, R ---------------------------------------------------------------------
+
+    def _pair_variables(
+        self, labels, src, src_out, dst_groups: dict, *, follow=False, max_axes=None, scale=1.0
+    ) -> None:
+        """e[u,p,v,q] for every allowed pair, tied to Y[u,p] and Z[v,q]; R(p,q) * m."""
+        space = self.space
+        shape_dtype = space.tensor(src, src_out)
+        src_groups = self.out_group(src, src_out)
+        pair_vars_p = defaultdict(list)
+        pair_vars_q = defaultdict(list)
+        for p in src_groups:
+            for q in dst_groups:
+                if follow and p in dst_groups and p != q:
+                    continue
+                if max_axes is not None and sum(a != b for a, b in zip(p, q)) > max_axes:
+                    continue
+                c = _edge_cost(p, q, shape_dtype, space.mesh, self.profile)
+                if c is None:
+                    continue
+                c *= scale
+                ev = self.lp.NumVar(0.0, 1.0, "")
+                self.n_edge_vars += 1
+                pair_vars_p[p].append(ev)
+                pair_vars_q[q].append(ev)
+                if c > 0:
+                    self.coef[ev] += c * len(labels) * _SCALE
+                    self.edge_terms.append(_EdgeTerm(labels, ev, p, q, c, shape_dtype))
+        for p, xs in src_groups.items():
+            self.lp.Add(sum(pair_vars_p[p]) == sum(xs))
+        for q, xs in dst_groups.items():
+            self.lp.Add(sum(pair_vars_q[q]) == sum(xs))
+
+    def edge_variables(self) -> None:
+        """The edges between representatives, each standing for the m graph edges onto it."""
+        space, f = self.space, self.folding
+        q_edges: dict[tuple, list[str]] = defaultdict(list)
+        for e in space.edges:
+            if f.rep(e.dst) in self.merged:
+                continue
+            q_edges[(f.rep(e.src), e.src_out, f.rep(e.dst), e.dst_in)].append(f"{e.src}->{e.dst}")
+        for (src, src_out, dst, dst_in), labels in q_edges.items():
+            self._pair_variables(
+                labels,
+                src,
+                src_out,
+                self.in_group(dst, dst_in),
+                follow=self.merge and _follows(space, dst),
+                max_axes=self.reshard_axes,
+            )
+
+    def output_terms(self) -> None:
+        """Graph outputs: the loss into Replicate, a gradient into its parameter's placement
+        (its reduction discounted by ``grad_overlap``)."""
+        space, f = self.space, self.folding
+        rep_ps = (Replicate(),) * space.mesh.ndim
+        q_sinks: dict[tuple, list[str]] = defaultdict(list)
+        for sink in space.sinks:
+            like = None if sink.like is None else f.rep(sink.like)
+            label = f"{sink.src}->output[{sink.position}]"
+            if sink.like is not None:
+                label += f" (as {sink.like})"
+            q_sinks[(f.rep(sink.src), sink.src_out, like)].append(label)
+        for (src, src_out, like), labels in q_sinks.items():
+            if like is None:
+                # a fixed target (the loss: Replicate): priced on the producer's variables
+                shape_dtype = space.tensor(src, src_out)
+                for p, xs in self.out_group(src, src_out).items():
+                    c = _edge_cost(p, rep_ps, shape_dtype, space.mesh, self.profile)
+                    if c is None:
+                        self.lp.Add(sum(xs) == 0)
+                    elif c > 0:
+                        for v in xs:
+                            self.coef[v] += c * len(labels) * _SCALE
+                        self.edge_terms.append(_EdgeTerm(labels, xs, p, rep_ps, c, shape_dtype))
+                continue
+            # a gradient's reduction overlaps the rest of the backward pass
+            scale = 1.0 - self.grad_overlap if space.roles[like] == roles.PARAM else 1.0
+            self._pair_variables(labels, src, src_out, self.out_group(like, 0), scale=scale)
+
+    # -- ties and memory -------------------------------------------------------------------
+
+    def tie_constraints(self) -> None:
+        """Z[a,q] = Z[b,q] for every tied pair of representatives."""
+        f = self.folding
+        for a, b in dict.fromkeys((f.rep(a), f.rep(b)) for a, b in self.space.ties):
+            if a == b:
+                continue
+            ga, gb = self.out_group(a, 0), self.out_group(b, 0)
+            for q in set(ga) | set(gb):
+                self.lp.Add(sum(ga.get(q, [])) == sum(gb.get(q, [])))
+
+    def memory_terms(self) -> list[tuple[float, Any]]:
+        """(bytes, x variable): per-rank parameter state, STATE_COPIES * local bytes."""
+        space = self.space
+        terms: list[tuple[float, Any]] = []
+        for name in space.order:
+            if space.roles[name] != roles.PARAM or name in space.aliases:
+                continue
+            shape, dtype = space.tensor(name)
+            r = self.folding.rep(name)
+            for k, st in enumerate(space.strategies[r]):
+                nbytes = (
+                    math.prod(local_shape(shape, st.output(), space.mesh.shape)) * dtype.itemsize
+                )
+                terms.extend((STATE_COPIES * nbytes, v) for v in self.x[r][k])
+        return terms
+
+    def memory_constraint(self, budget: float) -> None:
+        """sum 4 * bytes(v, k) x[v,k] <= budget."""
+        self.lp.Add(sum(b * v for b, v in self.memory_terms()) <= float(budget))
+
+    def objective(self, coef: dict | None = None) -> None:
+        """min sum of the coefficients gathered (``coef``: use these instead)."""
+        obj = self.lp.Objective()
+        obj.Clear()
+        for v, c in (self.coef if coef is None else coef).items():
+            obj.SetCoefficient(v, c)
+        obj.SetMinimization()
+
+    # -- reading back ------------------------------------------------------------------------
+
+    def choice(self) -> dict[str, int]:
+        """Node name -> the index of the strategy the solver set (every node)."""
+        rep_choice = {}
+        for name, vs in self.x.items():
+            vals = [sum(v.solution_value() for v in group) for group in vs]
+            rep_choice[name] = max(range(len(vals)), key=lambda k: vals[k])
+        return {name: rep_choice[self.folding.rep(name)] for name in self.space.order}
+
+
+def build_ilp(
+    space: StrategySpace,
+    profile: DeviceProfile,
+    *,
+    solver: str,
+    memory_budget: float | None = None,
+    **options,
+) -> IlpBuilder:
+    """The whole ILP of the module docstring: variables, constraints and objective.
+
+    ``ilp.times`` gets ``cost_s`` (the node variables, where the cost model prices every
+    strategy) and ``build_s`` (the rest)."""
+    t0 = time.perf_counter()
+    ilp = IlpBuilder(space, profile, solver=solver, **options)
+    ilp.node_variables()
+    t_nodes = time.perf_counter()
+    ilp.edge_variables()
+    ilp.output_terms()
+    ilp.tie_constraints()
+    if memory_budget is not None:
+        ilp.memory_constraint(memory_budget)
+    ilp.objective()
+    ilp.times = {
+        "cost_s": round(t_nodes - t0, 6),
+        "build_s": round(time.perf_counter() - t_nodes, 6),
+    }
+    return ilp
+
+
+def _run(ilp: IlpBuilder, time_limit_s: float, mip_gap: float) -> int:
+    ilp.lp.SetTimeLimit(int(time_limit_s * 1000))
+    params = pywraplp.MPSolverParameters()
+    params.SetDoubleParam(params.RELATIVE_MIP_GAP, mip_gap)
+    with _quiet_stdout():
+        return ilp.lp.Solve(params)
+
+
+def _solved(status: int) -> bool:
+    return status in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE)
+
+
+def read_solution(ilp: IlpBuilder, status: int, stats: dict) -> Solution:
+    """The chosen strategies, their compute time, and the collectives of the chosen edges."""
+    mesh, profile = ilp.space.mesh, ilp.profile
+    choice = ilp.choice()
+    rep = ilp.folding.rep
+    compute_s = sum(ilp.node_cost[rep(n)][k] for n, k in choice.items())
+    collectives: list[tuple[str, Collective, float]] = []
+    comm_s = 0.0
+    for t in ilp.edge_terms:
+        var = t.var
+        val = (
+            sum(v.solution_value() for v in var) if isinstance(var, list) else var.solution_value()
+        )
+        if val > 0.5:
+            comm_s += t.cost_s * len(t.labels)
+            colls = redistribute_collectives(
+                t.src_ps, t.dst_ps, t.shape_dtype[0], t.shape_dtype[1], mesh.shape
+            )
+            for label in t.labels:
+                for coll in colls:
+                    collectives.append((label, coll, collectives_time([coll], mesh, profile)))
+    stats = {
+        "solver": ilp.solver,
+        "status": "optimal" if status == pywraplp.Solver.OPTIMAL else "feasible",
+        "solver_nodes": len(ilp.folding.reps),
+        "merged_nodes": len(ilp.merged),
+        "edge_variables": ilp.n_edge_vars,
+        "variables": ilp.lp.NumVariables(),
+        "constraints": ilp.lp.NumConstraints(),
+        **stats,
+    }
+    return Solution(
+        choice=choice,
+        objective_s=compute_s + comm_s,
+        compute_s=compute_s,
+        comm_s=comm_s,
+        collectives=collectives,
+        node_cost_s={n: ilp.node_cost[rep(n)][k] for n, k in choice.items()},
+        stats=stats,
+    )
+
+
+def smallest_budget(
+    space: StrategySpace, profile: DeviceProfile, *, solver: str, time_limit_s: float, **options
+) -> int | None:
+    """The least per-rank parameter-state bytes (``memory_terms``) of any plan the ILP
+    allows: the ILP without a budget, minimizing those bytes. None if the solver finds no
+    plan in ``time_limit_s``."""
+    ilp = build_ilp(space, profile, solver=solver, **options)
+    terms = ilp.memory_terms()
+    coef: dict = defaultdict(float)
+    for b, v in terms:
+        coef[v] += b / _MIB
+    ilp.objective(coef)
+    if not _solved(_run(ilp, time_limit_s, 0.0)):
+        return None
+    return int(sum(b for b, v in terms if v.solution_value() > 0.5))
+
+
 def solve(
     space: StrategySpace,
     *,
@@ -228,6 +615,7 @@ def solve(
     reshard_axes: int | None = 1,
     grad_overlap: float = GRAD_OVERLAP,
     merge: bool = True,
+    mip_gap: float = MIP_GAP,
 ) -> Solution:
     """Solve the ILP of the module docstring for ``space``.
 
@@ -239,264 +627,32 @@ def solve(
     backward pass (counted as ``1 - grad_overlap`` of its time).
     ``merge``: simplification 1 (following nodes); False gives every node its own variables
     and every edge all its pairs.
+    ``mip_gap``: stop once the incumbent is within this fraction of the best bound.
     """
-    if not 0.0 <= grad_overlap < 1.0:
-        raise ValueError(f"grad_overlap must be in [0, 1), got {grad_overlap}")
-    import os
-
-    from ortools.linear_solver import pywraplp
-
     solver = solver or os.environ.get("AUTOPAR_SOLVER", "HIGHS")
-    t0 = time.perf_counter()
+    options = dict(merge=merge, reshard_axes=reshard_axes, grad_overlap=grad_overlap)
     profile = get_profile(space.mesh.device)
-    mesh = space.mesh
-    with _quiet_stdout():  # HiGHS prints a banner on stdout
-        lp = pywraplp.Solver.CreateSolver(solver)
-    if lp is None:
-        raise SolveError(f"OR-Tools has no {solver} solver in this build")
-    lp.SetNumThreads(1)
-    lp.SuppressOutput()
-
-    # Folding (passes/fold): the solver sees representatives only. rep(v) is v's
-    # representative, count[r] how many nodes r stands for; costs and edges are summed over
-    # the instances, so the objective is that of the whole graph.
-    rep_of = space.rep
-
-    def rep(n: str) -> str:
-        return rep_of.get(n, n)
-
-    count: dict[str, int] = defaultdict(int)
-    for name in space.order:
-        count[rep(name)] += 1
-    reps = [n for n in space.order if rep(n) == n]
-    # the producers of a representative's inputs, as representatives, where every instance
-    # agrees on them (None where they differ: such a node is not merged)
-    qsrc: dict[str, tuple | None] = {}
-    for name in space.order:
-        srcs = tuple((rep(s), so) for s, so in space.in_sources[name])
-        r = rep(name)
-        if r not in qsrc:
-            qsrc[r] = srcs
-        elif qsrc[r] != srcs:
-            qsrc[r] = None
-
-    def merge_source(name: str) -> tuple[str, int] | None:
-        if not merge:
-            return None
-        if space.roles.get(name) in ("param", "buffer", "input", "target", "tangent"):
-            return None
-        if not _follows(space, name):
-            return None
-        srcs = qsrc[name]
-        return srcs[0] if srcs is not None and len(srcs) == 1 else None
-
-    # x[name][k]: the base variables whose sum is x[v,k]. A node that follows its producer
-    # (``merge_source``) has no variables of its own: x[v,k] = Y[u, ins_k].
-    x: dict[str, list[list]] = {}
-    coef: dict = defaultdict(float)
-    node_cost: dict[str, list[float]] = {}
-    merged: set[str] = set()
-
-    def out_group(name: str, idx: int) -> dict:
-        g = defaultdict(list)
-        for k, s in enumerate(space.strategies[name]):
-            if s.out[idx] is not None:
-                g[s.out[idx]].extend(x[name][k])
-        return g
-
-    def in_group(name: str, j: int) -> dict:
-        g = defaultdict(list)
-        for k, s in enumerate(space.strategies[name]):
-            g[s.ins[j]].extend(x[name][k])
-        return g
-
-    def make(name: str) -> None:
-        strats = space.strategies[name]
-        if not strats:
-            raise SolveError(f"node {name} has no strategy")
-        costs = _node_costs(space, name, profile)
-        node_cost[name] = costs
-        src = merge_source(name)
-        groups = out_group(*src) if src and src[0] in x else None
-        if groups is not None and set(groups) <= {st.ins[0] for st in strats}:
-            x[name] = [list(groups.get(st.ins[0], [])) for st in strats]
-            merged.add(name)
-        else:
-            vs = [lp.BoolVar(f"x_{name}_{k}") for k in range(len(strats))]
-            lp.Add(sum(vs) == 1)
-            x[name] = [[v] for v in vs]
-            for k, v in enumerate(vs):
-                # tie-break: prefer earlier strategies by a hair
-                coef[v] += 1e-9 * k / len(vs)
-        for k, c in enumerate(costs):
-            for v in x[name][k]:
-                coef[v] += c * count[name] * _SCALE
-
-    # A follower is made after its producer. Folding can order a representative before the
-    # producer it merges into (a layer's input comes from the previous layer): walk the chain
-    # of producers first; a chain that closes on itself is cut (the node gets variables).
-    visiting: set[str] = set()
-    for name in reps:
-        chain = []
-        v = name
-        while v not in x and v not in visiting:
-            visiting.add(v)
-            chain.append(v)
-            src = merge_source(v)
-            if src is None:
-                break
-            v = src[0]
-        for w in reversed(chain):
-            make(w)
-    t_nodes = time.perf_counter()
-
-    edge_vars: list[tuple[list[str], object, object, object, float, tuple]] = []
-    n_edge_vars = 0
-
-    def add_edge(labels, src, src_out, dst_groups: dict, follow=False, max_axes=None, scale=1.0):
-        nonlocal n_edge_vars
-        shape_dtype = space.shapes[src][src_out]
-        src_groups = out_group(src, src_out)
-        pair_vars_p = defaultdict(list)
-        pair_vars_q = defaultdict(list)
-        for p in src_groups:
-            for q in dst_groups:
-                if follow and p in dst_groups and p != q:
-                    continue
-                if max_axes is not None and sum(a != b for a, b in zip(p, q)) > max_axes:
-                    continue
-                c = _edge_cost(p, q, shape_dtype, mesh, profile)
-                if c is None:
-                    continue
-                c *= scale
-                ev = lp.NumVar(0.0, 1.0, "")
-                n_edge_vars += 1
-                pair_vars_p[p].append(ev)
-                pair_vars_q[q].append(ev)
-                if c > 0:
-                    coef[ev] += c * len(labels) * _SCALE
-                    edge_vars.append((labels, ev, p, q, c, shape_dtype))
-        for p, xs in src_groups.items():
-            lp.Add(sum(pair_vars_p[p]) == sum(xs))
-        for q, xs in dst_groups.items():
-            lp.Add(sum(pair_vars_q[q]) == sum(xs))
-
-    # the edges between representatives, each with the edges it stands for
-    q_edges: dict[tuple, list[str]] = defaultdict(list)
-    for e in space.edges:
-        if rep(e.dst) in merged:
-            continue
-        q_edges[(rep(e.src), e.src_out, rep(e.dst), e.dst_in)].append(f"{e.src}->{e.dst}")
-    for (src, src_out, dst, dst_in), labels in q_edges.items():
-        add_edge(
-            labels,
-            src,
-            src_out,
-            in_group(dst, dst_in),
-            follow=merge and _follows(space, dst),
-            max_axes=reshard_axes,
-        )
-    rep_ps = (Replicate(),) * mesh.ndim
-    q_sinks: dict[tuple, list[str]] = defaultdict(list)
-    for sink in space.sinks:
-        like = None if sink.like is None else rep(sink.like)
-        label = f"{sink.src}->output[{sink.position}]"
-        if sink.like is not None:
-            label += f" (as {sink.like})"
-        q_sinks[(rep(sink.src), sink.src_out, like)].append(label)
-    for (src, src_out, like), labels in q_sinks.items():
-        if like is None:
-            # a fixed target (the loss: Replicate): priced on the producer's variables
-            shape_dtype = space.shapes[src][src_out]
-            for p, xs in out_group(src, src_out).items():
-                c = _edge_cost(p, rep_ps, shape_dtype, mesh, profile)
-                if c is None:
-                    lp.Add(sum(xs) == 0)
-                elif c > 0:
-                    for v in xs:
-                        coef[v] += c * len(labels) * _SCALE
-                    edge_vars.append((labels, xs, p, rep_ps, c, shape_dtype))
-            continue
-        # a gradient's reduction overlaps the rest of the backward pass
-        scale = 1.0 - grad_overlap if space.roles[like] == "param" else 1.0
-        add_edge(labels, src, src_out, out_group(like, 0), scale=scale)
-    for a, b in dict.fromkeys((rep(a), rep(b)) for a, b in space.ties):
-        if a == b:
-            continue
-        ga, gb = out_group(a, 0), out_group(b, 0)
-        for q in set(ga) | set(gb):
-            lp.Add(sum(ga.get(q, [])) == sum(gb.get(q, [])))
-    if memory_budget is not None:
-        terms = []
-        for name in space.order:
-            if space.roles[name] != "param" or name in space.aliases:
-                continue
-            (shape, dtype) = space.shapes[name][0]
-            r = rep(name)
-            for k, st in enumerate(space.strategies[r]):
-                nbytes = math.prod(local_shape(shape, st.out[0], mesh.shape)) * dtype.itemsize
-                terms.extend(STATE_COPIES * nbytes * v for v in x[r][k])
-        lp.Add(sum(terms) <= float(memory_budget))
-    objective = lp.Objective()
-    for v, c in coef.items():
-        objective.SetCoefficient(v, c)
-    objective.SetMinimization()
-    t_built = time.perf_counter()
-    lp.SetTimeLimit(int(time_limit_s * 1000))
-    params = pywraplp.MPSolverParameters()
-    params.SetDoubleParam(params.RELATIVE_MIP_GAP, MIP_GAP)
-    with _quiet_stdout():
-        status = lp.Solve(params)
-    t_solved = time.perf_counter()
-    if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
+    ilp = build_ilp(space, profile, solver=solver, memory_budget=memory_budget, **options)
+    t0 = time.perf_counter()
+    status = _run(ilp, time_limit_s, mip_gap)
+    ilp_s = round(time.perf_counter() - t0, 6)
+    if not _solved(status):
+        if memory_budget is not None and status == pywraplp.Solver.INFEASIBLE:
+            least = smallest_budget(
+                space, profile, solver=solver, time_limit_s=time_limit_s, **options
+            )
+            if least is not None:
+                raise SolveError(
+                    f"no plan fits the memory budget of {memory_budget / _MIB:.1f} MiB per rank "
+                    f"(parameters, gradients and AdamW state): the smallest budget that fits "
+                    f"is {least / _MIB:.1f} MiB ({least} bytes); raise the budget to at least "
+                    "that, or use a larger mesh"
+                )
         hint = (
-            f" within the memory budget of {memory_budget / 2**20:.1f} MiB per rank: raise it "
+            f" within the memory budget of {memory_budget / _MIB:.1f} MiB per rank: raise it "
             "or use a larger mesh"
             if memory_budget is not None
             else ": some node has no strategy compatible with its neighbours"
         )
         raise SolveError(f"the sharding ILP has no solution (status {status}){hint}")
-
-    rep_choice = {}
-    for name, vs in x.items():
-        vals = [sum(v.solution_value() for v in group) for group in vs]
-        rep_choice[name] = max(range(len(vals)), key=lambda k: vals[k])
-    choice = {name: rep_choice[rep(name)] for name in space.order}
-    compute_s = sum(node_cost[rep(n)][k] for n, k in choice.items())
-    collectives: list[tuple[str, Collective, float]] = []
-    comm_s = 0.0
-    for labels, ev, p, q, c, shape_dtype in edge_vars:
-        val = sum(v.solution_value() for v in ev) if isinstance(ev, list) else ev.solution_value()
-        if val > 0.5:
-            comm_s += c * len(labels)
-            colls = redistribute_collectives(p, q, shape_dtype[0], shape_dtype[1], mesh.shape)
-            for label in labels:
-                for coll in colls:
-                    collectives.append((label, coll, collectives_time([coll], mesh, profile)))
-    stats = {
-        "solver": solver,
-        "status": "optimal" if status == pywraplp.Solver.OPTIMAL else "feasible",
-        "nodes": len(space.order),
-        "solver_nodes": len(reps),
-        "merged_nodes": len(merged),
-        "strategies": space.n_strategies(),
-        "edge_variables": n_edge_vars,
-        "variables": lp.NumVariables(),
-        "constraints": lp.NumConstraints(),
-        "cost_s": round(t_nodes - t0, 6),
-        "build_s": round(t_built - t_nodes, 6),
-        "solve_s": round(t_solved - t_built, 6),
-    }
-    return Solution(
-        choice=choice,
-        objective_s=compute_s + comm_s,
-        compute_s=compute_s,
-        comm_s=comm_s,
-        collectives=collectives,
-        node_cost_s={n: node_cost[rep(n)][k] for n, k in choice.items()},
-        stats=stats,
-    )
-
-
-def chosen(space: StrategySpace, sol: Solution, name: str) -> Strategy:
-    return space.strategies[name][sol.choice[name]]
+    return read_solution(ilp, status, {**ilp.times, "ilp_s": ilp_s})

@@ -18,14 +18,19 @@ Where the strategies come from, per node kind:
         its single-dim strategy expanded to the mesh, given for each tensor argument the
         placements its producer may output (a rule that raises on that is asked again with
         one candidate at a time: ``_rule_per_candidate``). Only standard placement types
-        survive (``_allowed``), and only shardings that divide every sharded dim
-        (``_divides``).
+        survive (``core.placements.is_planned``), and only shardings that divide every
+        sharded dim (``core.placements.divides``).
         ``_StridedShard`` is kept only on the views and batched matmuls of ``STRIDED_OPS``
         (it is what lets attention keep heads sharded through [B, h, S, D] -> [B*h, S, D]);
         offered everywhere it multiplies the strategy space several times over.
     operator with no tensor input (``arange``, ``full``, ...): replicated.
     operator with no rule: replicated, with a warning that names the op and the module path
         (``fallbacks``); the result is still correct, only slower.
+
+``build_strategies`` walks the graph once (``_SpaceBuilder``): ``placeholder`` for graph
+inputs, ``call`` for operators (``getitem`` for the picking of one output of a multi-output
+op, ``_rule_strategies`` asking DTensor for the rest), then ``graph_outputs`` for the
+sinks, the ties and the tied parameters.
 
 Tied parameters (one tensor under two names) are two graph inputs tied to one placement.
 
@@ -40,191 +45,56 @@ must have the placement of the first input (the local batch in, the local batch 
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
-import logging
-import math
 import operator
+import sys
 import warnings
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from typing import cast
 
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, _collective_utils
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
-from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from torch.distributed.tensor._ops import single_dim_strategy as sds
+from torch.distributed.tensor._sharding_prop import _expand_single_dim_strategy_to_mesh
+from torch.distributed.tensor.placement_types import Placement
 from torch.utils._pytree import tree_flatten, tree_map
 
-from autopar.mesh import Mesh
+from autopar.core import (
+    Edge,
+    Mesh,
+    Placements,
+    Sink,
+    Strategy,
+    StrategySpace,
+    TensorInput,
+    contiguous_stride,
+    divides,
+    is_planned,
+    is_strided,
+    roles,
+)
 
 from .fold import FoldedGraph
 from .trace import StepGraph
 
 __all__ = [
-    "Strategy",
-    "Edge",
-    "Sink",
-    "TensorInput",
-    "contiguous_stride",
-    "local_shape",
-    "StrategySpace",
+    "STRIDED_OPS",
     "NoRuleWarning",
     "build_strategies",
-    "placement_str",
-    "parse_placement",
     "planning_device_mesh",
 ]
-
-log = logging.getLogger(__name__)
-
-Placements = tuple[Placement, ...]
 
 
 class NoRuleWarning(UserWarning):
     """An op has no sharding rule and is replicated."""
 
 
-def placement_str(p: Placement) -> str:
-    """``S(0)``, ``R``, ``P(sum)``, ``SS(0,4)``: the short, stable text of a placement."""
-    if type(p) is _StridedShard:
-        return f"SS({p.dim},{p.split_factor})"
-    if type(p) is Shard:
-        return f"S({p.dim})"
-    if type(p) is Replicate:
-        return "R"
-    if type(p) is Partial:
-        return f"P({p.reduce_op})"
-    raise ValueError(f"placement {p!r} is not one autopar plans with")
-
-
-def parse_placement(s: str) -> Placement:
-    if s == "R":
-        return Replicate()
-    if s.startswith("SS("):
-        d, f = s[3:-1].split(",")
-        return _StridedShard(int(d), split_factor=int(f))
-    if s.startswith("S("):
-        return Shard(int(s[2:-1]))
-    if s.startswith("P("):
-        return Partial(s[2:-1])
-    raise ValueError(f"cannot parse placement {s!r}")
-
-
-@dataclass(frozen=True, slots=True)
-class Strategy:
-    """One way to run a node: placements of its outputs and of its tensor inputs.
-
-    ``out[i]`` is a tuple of placements (one per mesh axis) for output ``i`` (``None`` for a
-    non-tensor output); ``ins[j]`` the same for the node's ``j``-th tensor input, in the order
-    of ``tree_flatten((node.args, node.kwargs))``.
-    """
-
-    out: tuple[Placements | None, ...]
-    ins: tuple[Placements, ...]
-
-    def __post_init__(self):
-        for ps in self.out + self.ins:
-            if ps is not None and not all(_allowed(p) for p in ps):
-                raise ValueError(f"strategy has a placement autopar does not plan with: {ps}")
-
-    def text(self) -> str:
-        def f(ps):
-            return "-" if ps is None else "(" + ",".join(placement_str(p) for p in ps) + ")"
-
-        ins = " ".join(f(p) for p in self.ins)
-        outs = " ".join(f(p) for p in self.out)
-        return f"{ins} -> {outs}" if ins else outs
-
-
-@dataclass(frozen=True, slots=True)
-class Edge:
-    """Output ``src_out`` of node ``src`` feeds tensor input ``dst_in`` of node ``dst``."""
-
-    src: str
-    src_out: int
-    dst: str
-    dst_in: int
-
-
-@dataclass(frozen=True, slots=True)
-class Sink:
-    """A graph output: output ``src_out`` of ``src`` must end with a given placement.
-
-    ``like`` names a node whose output-0 placement the sink must match (a parameter for its
-    gradient, the first input for a model output); ``like=None`` means ``Replicate`` on
-    every axis (the loss).
-    """
-
-    src: str
-    src_out: int
-    like: str | None
-    position: int
-
-
-@dataclass(frozen=True, slots=True)
-class TensorInput:
-    """Stands for the ``index``-th tensor input of a node in ``StrategySpace.calls``."""
-
-    index: int
-
-
-@dataclass
-class StrategySpace:
-    """Everything the solver chooses from.
-
-    Attributes:
-        mesh: the mesh planned for.
-        order: node names in graph (topological) order, placeholders first.
-        strategies: node name -> candidate strategies.
-        edges: tensor edges between nodes.
-        sinks: constraints at the graph outputs.
-        ties: pairs of nodes that must take the same output placement.
-        shapes: node name -> per output (global shape, dtype) or None.
-        targets: node name -> op (OpOverload or callable) or "placeholder".
-        roles / modules: node name -> role and module path (from passes/trace).
-        fallbacks: node name -> the warning given for an op without a rule.
-        calls: node name -> (args, kwargs) of the op with its ``j``-th tensor input replaced
-            by ``TensorInput(j)`` (what a cost model needs to price the op on local shapes).
-        aliases: placeholders of tied parameters other than the first (same memory).
-        rep: node name -> its representative (passes/fold): the node whose strategy it takes;
-            a node missing here represents itself. Instances share their representative's
-            strategy list (the same list object).
-    """
-
-    mesh: Mesh
-    order: list[str]
-    strategies: dict[str, list[Strategy]]
-    edges: list[Edge]
-    sinks: list[Sink]
-    ties: list[tuple[str, str]] = field(default_factory=list)
-    shapes: dict[str, list[tuple[tuple[int, ...], torch.dtype] | None]] = field(
-        default_factory=dict
-    )
-    targets: dict[str, object] = field(default_factory=dict)
-    roles: dict[str, str] = field(default_factory=dict)
-    modules: dict[str, str] = field(default_factory=dict)
-    fallbacks: dict[str, str] = field(default_factory=dict)
-    calls: dict[str, tuple] = field(default_factory=dict)
-    aliases: set[str] = field(default_factory=set)
-    rep: dict[str, str] = field(default_factory=dict)
-
-    @functools.cached_property
-    def in_sources(self) -> dict[str, list[tuple[str, int]]]:
-        """Node name -> (producer, output index) of each of its tensor inputs, in order."""
-        ins: dict[str, list] = {n: [] for n in self.order}
-        for e in self.edges:
-            ins[e.dst].append((e.dst_in, e.src, e.src_out))
-        return {n: [(src, so) for _, src, so in sorted(v)] for n, v in ins.items()}
-
-    def n_strategies(self) -> int:
-        return sum(len(s) for s in self.strategies.values())
-
-
-def planning_device_mesh(mesh: Mesh):
+def planning_device_mesh(mesh: Mesh) -> DeviceMesh:
     """A torch ``DeviceMesh`` with no process group behind it, for DTensor's rules."""
-    from torch.distributed.device_mesh import DeviceMesh
-
     with unset_fake_temporarily():
         return DeviceMesh(
             "cpu",
@@ -233,22 +103,6 @@ def planning_device_mesh(mesh: Mesh):
             _init_backend=False,
             _rank=0,
         )
-
-
-def _allowed(p: Placement) -> bool:
-    if type(p) in (Shard, Replicate, _StridedShard):
-        return True
-    return type(p) is Partial and p.reduce_op in ("sum", "avg")
-
-
-def _divides(placements: Placements, shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> bool:
-    factor = [1] * len(shape)
-    for size, p in zip(mesh_shape, placements):
-        if isinstance(p, (Shard, _StridedShard)):
-            if p.dim >= len(shape) or p.dim < -len(shape):
-                return False
-            factor[p.dim] *= size
-    return all(f == 1 or (s % f == 0 and s >= f) for s, f in zip(shape, factor))
 
 
 def _tensor_meta(v) -> TensorMeta | None:
@@ -271,6 +125,7 @@ def _outputs(node: torch.fx.Node) -> list:
 
 
 def _placeholder_strategies(shape, mesh: Mesh, *, batch_only: bool = False) -> list[Strategy]:
+    """Every combination, one per axis, of Replicate and a Shard that divides the dim."""
     per_axis: list[list[Placement]] = []
     for _ in mesh.shape:
         opts: list[Placement] = [Replicate()]
@@ -279,7 +134,7 @@ def _placeholder_strategies(shape, mesh: Mesh, *, batch_only: bool = False) -> l
         per_axis.append(opts)
     out = []
     for combo in itertools.product(*per_axis):
-        if _divides(combo, shape, mesh.shape):
+        if divides(combo, shape, mesh.shape):
             out.append(Strategy(out=(tuple(combo),), ins=()))
     return out
 
@@ -305,7 +160,6 @@ def _planning_rules():
     there is one candidate per input. Planning offers all candidates at once, so the
     collection is widened to their union.
     """
-    from torch.distributed.tensor._ops import single_dim_strategy as sds
 
     def unique(op_schema):
         found: set[Placement] = set()
@@ -329,10 +183,6 @@ def _planning_rules():
             visit(obj)
         return found
 
-    import sys
-
-    from torch.distributed.tensor import _collective_utils
-
     # NOTE: DTensor's rules also price every input candidate against every strategy
     # (``redistribute_cost``) to pick one at run time. The planner prices redistributions
     # itself (cost_models/comm.py), and with dozens of candidates per input that pricing
@@ -347,13 +197,13 @@ def _planning_rules():
     original = sds._get_unique_placements
     sds._get_unique_placements = unique
     for m in patched:
-        m.redistribute_cost = _zero_cost
+        setattr(m, "redistribute_cost", _zero_cost)  # noqa: B010 - a module, not a class
     try:
         yield
     finally:
         sds._get_unique_placements = original
         for m in patched:
-            m.redistribute_cost = real_cost
+            setattr(m, "redistribute_cost", real_cost)  # noqa: B010
 
 
 def _zero_cost(*_args, **_kwargs) -> float:
@@ -368,8 +218,6 @@ def _dtensor_rule(node, args_schema, kwargs_schema, dmesh) -> list[OpSpec] | Non
     single = prop.op_single_dim_strategy_funcs.get(op)
     func = prop.op_strategy_funcs.get(op)
     if single is not None:
-        from torch.distributed.tensor._sharding_prop import _expand_single_dim_strategy_to_mesh
-
         outs = _outputs(node)
         out_meta = _tensor_meta(outs[0]) if len(outs) == 1 else [_tensor_meta(v) for v in outs]
         fn = _expand_single_dim_strategy_to_mesh(dmesh, schema, single, out_meta)
@@ -383,8 +231,8 @@ def _dtensor_rule(node, args_schema, kwargs_schema, dmesh) -> list[OpSpec] | Non
     if isinstance(result, TupleStrategy):
         # One child per output: merge the i-th OpSpec of every child when they agree on
         # the inputs (split, unbind, ...), so that a strategy covers all outputs at once.
-        children = result.children
-        if not children or not all(isinstance(c, OpStrategy) for c in children):
+        children = [c for c in result.children if isinstance(c, OpStrategy)]
+        if not children or len(children) != len(result.children):
             return None
         n = len(children[0].strategies)
         if any(len(c.strategies) != n for c in children):
@@ -457,6 +305,171 @@ def _rule_per_candidate(node, args_schema, kwargs_schema, dmesh):
     return (found or None), (None if found else err)
 
 
+class _SpaceBuilder:
+    """Builds a ``StrategySpace`` one node at a time, in graph order (``build_strategies``)."""
+
+    def __init__(self, step: StepGraph, mesh: Mesh, dmesh, rep: dict[str, str]):
+        self.step = step
+        self.mesh = mesh
+        self.dmesh = dmesh
+        self.rep = rep
+        self.done: dict[str, list[Strategy]] = {}  # representative -> the list it shares
+        self.fallback_of: dict[str, str] = {}
+        self.space = StrategySpace(
+            mesh=mesh, order=[], strategies={}, edges=[], sinks=[], has_loss=step.has_loss
+        )
+        self.first_input: str | None = None
+        self.param_nodes: dict[str, str] = {}
+
+    # -- graph inputs --------------------------------------------------------------------
+
+    def placeholder(self, node: torch.fx.Node) -> None:
+        """Stored tensors: any divisible Shard/Replicate per axis; the loss's tangent: R."""
+        sp, name = self.space, node.name
+        sp.targets[name] = "placeholder"
+        sd = sp.shapes[name][0]
+        shape = sd[0] if sd else ()
+        role = sp.roles[name]
+        if role == roles.PARAM:
+            pname = self.step.param_names[len(sp.params)]
+            sp.params[pname] = self.param_nodes[pname] = name
+        elif role == roles.BUFFER:
+            sp.buffers[self.step.buffer_names[len(sp.buffers)]] = name
+        elif role in roles.BATCH_ROLES:
+            sp.inputs.append(name)
+        if role == roles.TANGENT and self.step.has_loss:
+            sp.strategies[name] = [Strategy(out=((Replicate(),) * self.mesh.ndim,), ins=())]
+        elif not self.step.has_loss and role in (*roles.BATCH_ROLES, roles.TANGENT):
+            # a model without a loss: the local batch in, the local batch out
+            sp.strategies[name] = _placeholder_strategies(shape, self.mesh, batch_only=True)
+            if self.first_input is None:
+                self.first_input = name
+            else:
+                sp.ties.append((self.first_input, name))
+        else:
+            sp.strategies[name] = _placeholder_strategies(shape, self.mesh)
+
+    # -- operators -----------------------------------------------------------------------
+
+    def call(self, node: torch.fx.Node) -> None:
+        """An operator: its edges, then its strategies (shared by a folded instance)."""
+        sp, name = self.space, node.name
+        sp.targets[name] = node.target
+        key = self.rep.get(name, name)
+        if key == name:
+            in_nodes = self._call_template(node)
+        else:  # an instance: the solver prices its representative's call only
+            in_nodes = _input_nodes((node.args, node.kwargs))
+        if node.target is operator.getitem:
+            self.getitem(node, key)
+            return
+        for j, a in enumerate(in_nodes):
+            sp.edges.append(Edge(a.name, 0, name, j))
+        if key in self.done:
+            # NOTE: an instance's producers may offer other placements than those of the
+            # node the list was built for; the solver's edges reshard between them.
+            sp.strategies[name] = self.done[key]
+            if key in self.fallback_of:
+                sp.fallbacks[name] = self.fallback_of[key]
+            return
+        if not in_nodes:  # a factory (arange, full, ...): replicated
+            strats = [_replicated(node, 0, self.mesh)]
+        else:
+            strats = self._rule_strategies(node, key, in_nodes)
+        sp.strategies[name] = self.done[key] = strats
+
+    def _call_template(self, node: torch.fx.Node) -> list[torch.fx.Node]:
+        """Record the call with its tensor inputs as ``TensorInput``s; return those inputs."""
+        flat, treespec = tree_flatten((node.args, node.kwargs))
+        in_nodes = [a for a in flat if isinstance(a, torch.fx.Node)]
+        counter = iter(range(len(in_nodes)))
+        self.space.calls[node.name] = treespec.unflatten(
+            [TensorInput(next(counter)) if isinstance(a, torch.fx.Node) else a for a in flat]
+        )
+        return in_nodes
+
+    def getitem(self, node: torch.fx.Node, key: str) -> None:
+        """Output ``idx`` of a multi-output op: it follows that output's placement."""
+        sp, name = self.space, node.name
+        src, idx = cast(torch.fx.Node, node.args[0]), cast(int, node.args[1])
+        sp.edges.append(Edge(src.name, idx, name, 0))
+        if key in self.done:
+            sp.strategies[name] = self.done[key]
+            return
+        strats = []
+        for ps in dict.fromkeys(s.out[idx] for s in sp.strategies[src.name]):
+            if ps is not None:
+                strats.append(Strategy(out=(ps,), ins=(ps,)))
+        sp.strategies[name] = self.done[key] = strats
+
+    def _out_specs(self, name: str, idx: int) -> OpStrategy:
+        """The placements node ``name``'s output ``idx`` may have, as DTensor's rules read them."""
+        shape_dtype = self.space.tensor(name, idx)
+        seen, specs = set(), []
+        for s in self.space.strategies[name]:
+            ps = s.out[idx]
+            if ps is None or ps in seen:
+                continue
+            seen.add(ps)
+            meta = TensorMeta(
+                torch.Size(shape_dtype[0]), contiguous_stride(shape_dtype[0]), shape_dtype[1]
+            )
+            specs.append(OpSpec(DTensorSpec(self.dmesh, ps, tensor_meta=meta)))
+        return OpStrategy(specs)
+
+    def _rule_strategies(self, node, key: str, in_nodes) -> list[Strategy]:
+        """DTensor's rule on every candidate of each input; Replicate with a warning if none."""
+        sp, name = self.space, node.name
+
+        def to_schema(a):
+            return self._out_specs(a.name, 0) if isinstance(a, torch.fx.Node) else a
+
+        args_schema = _tensor_lists(tree_map(to_schema, node.args))
+        kwargs_schema = tree_map(to_schema, node.kwargs)
+        specs, err = None, None
+        if isinstance(node.target, torch._ops.OpOverload):
+            specs, err = _rule_per_candidate(node, args_schema, kwargs_schema, self.dmesh)
+        strats = []
+        for spec in specs or []:
+            s = _from_opspec(spec, node, in_nodes, sp.shapes, self.mesh)
+            if s is not None:
+                strats.append(s)
+        strats = list(dict.fromkeys(strats))
+        if strats:
+            return strats
+        where = sp.modules[name] or "<top level>"
+        why = "its sharding rule failed: " + err if err else "it has no sharding rule"
+        msg = (
+            f"{node.target} ({where}, node {name}): {why}; replicated on every mesh axis. "
+            "Add a rule in passes/strategies.py to shard it."
+        )
+        sp.fallbacks[name] = self.fallback_of[key] = msg
+        warnings.warn(msg, NoRuleWarning, stacklevel=4)
+        return [_replicated(node, len(in_nodes), self.mesh)]
+
+    # -- graph outputs -------------------------------------------------------------------
+
+    def graph_outputs(self) -> None:
+        """Sinks (the loss Replicate, a gradient as its parameter, a model output as the
+        first input) and the ties between the names of a tied parameter."""
+        sp, step = self.space, self.step
+        outputs = cast(Sequence, step.output_node().args[0])
+        sp.n_outputs = len(outputs)
+        for alias, first in step.alias_of.items():
+            if alias in self.param_nodes and first in self.param_nodes:
+                sp.ties.append((self.param_nodes[first], self.param_nodes[alias]))
+                sp.aliases.add(self.param_nodes[alias])
+        for pos, a in enumerate(outputs):
+            if not isinstance(a, torch.fx.Node):
+                continue
+            if pos in step.grad_of:
+                sp.sinks.append(Sink(a.name, 0, self.param_nodes[step.grad_of[pos]], pos))
+            elif step.has_loss:
+                sp.sinks.append(Sink(a.name, 0, None, pos))
+            else:
+                sp.sinks.append(Sink(a.name, 0, self.first_input, pos))
+
+
 def build_strategies(
     step: StepGraph, mesh: Mesh, *, dmesh=None, folded: FoldedGraph | None = None
 ) -> StrategySpace:
@@ -466,164 +479,24 @@ def build_strategies(
     of the first of them met in graph order: DTensor's rules run once per representative.
     """
     rep = folded.rep if folded is not None else {}
-    done: dict[str, list[Strategy]] = {}  # representative -> the list its instances share
-    fallback_of: dict[str, str] = {}
-    if dmesh is None:
-        dmesh = planning_device_mesh(mesh)
-    gm = step.gm
-    strategies: dict[str, list[Strategy]] = {}
-    edges: list[Edge] = []
-    sinks: list[Sink] = []
-    ties: list[tuple[str, str]] = []
-    shapes, targets, roles, modules, fallbacks, calls = {}, {}, {}, {}, {}, {}
-    order: list[str] = []
-    first_input: str | None = None
-
-    def out_specs(name: str, idx: int) -> OpStrategy:
-        shape_dtype = shapes[name][idx]
-        seen, specs = set(), []
-        for s in strategies[name]:
-            ps = s.out[idx]
-            if ps is None or ps in seen:
-                continue
-            seen.add(ps)
-            meta = TensorMeta(
-                torch.Size(shape_dtype[0]), contiguous_stride(shape_dtype[0]), shape_dtype[1]
-            )
-            specs.append(OpSpec(DTensorSpec(dmesh, ps, tensor_meta=meta)))
-        return OpStrategy(specs)
-
-    for node in gm.graph.nodes:
+    b = _SpaceBuilder(step, mesh, dmesh if dmesh is not None else planning_device_mesh(mesh), rep)
+    sp = b.space
+    for node in step.gm.graph.nodes:
         if node.op == "output":
             continue
-        name = node.name
-        order.append(name)
-        outs = _outputs(node)
-        shapes[name] = [_shape_of(v) for v in outs]
-        roles[name] = node.meta.get("autopar_role", "")
-        modules[name] = node.meta.get("autopar_module", "")
+        sp.order.append(node.name)
+        sp.shapes[node.name] = [_shape_of(v) for v in _outputs(node)]
+        sp.roles[node.name] = node.meta.get(roles.META_ROLE, "")
+        sp.modules[node.name] = node.meta.get(roles.META_MODULE, "")
         if node.op == "placeholder":
-            targets[name] = "placeholder"
-            shape = shapes[name][0][0] if shapes[name][0] else ()
-            role = roles[name]
-            if role == "tangent" and step.has_loss:
-                strategies[name] = [Strategy(out=((Replicate(),) * mesh.ndim,), ins=())]
-            elif not step.has_loss and role in ("input", "target", "tangent"):
-                strategies[name] = _placeholder_strategies(shape, mesh, batch_only=True)
-                if first_input is None:
-                    first_input = name
-                else:
-                    ties.append((first_input, name))
-            else:
-                strategies[name] = _placeholder_strategies(shape, mesh)
-            continue
-        if node.op != "call_function":
-            raise ValueError(f"unexpected node {node.format_node()} in the step graph")
-        targets[name] = node.target
-        key = rep.get(name, name)
-        if key == name:
-            flat, treespec = tree_flatten((node.args, node.kwargs))
-            in_nodes = [a for a in flat if isinstance(a, torch.fx.Node)]
-            counter = iter(range(len(in_nodes)))
-            calls[name] = treespec.unflatten(
-                [TensorInput(next(counter)) if isinstance(a, torch.fx.Node) else a for a in flat]
-            )
-        else:  # an instance: the solver prices its representative's call only
-            in_nodes = _input_nodes((node.args, node.kwargs))
-
-        if node.target is operator.getitem:
-            src, idx = node.args
-            edges.append(Edge(src.name, idx, name, 0))
-            if key in done:
-                strategies[name] = done[key]
-                continue
-            strats = []
-            for ps in dict.fromkeys(s.out[idx] for s in strategies[src.name]):
-                if ps is not None:
-                    strats.append(Strategy(out=(ps,), ins=(ps,)))
-            strategies[name] = done[key] = strats
-            continue
-
-        for j, a in enumerate(in_nodes):
-            src_out = 0
-            edges.append(Edge(a.name, src_out, name, j))
-        if key in done:
-            # NOTE: an instance's producers may offer other placements than those of the
-            # node the list was built for; the solver's edges reshard between them.
-            strategies[name] = done[key]
-            if key in fallback_of:
-                fallbacks[name] = fallback_of[key]
-            continue
-
-        if not in_nodes:
-            strategies[name] = done[key] = [_replicated(node, 0, mesh)]
-            continue
-
-        def to_schema(a):
-            if isinstance(a, torch.fx.Node):
-                return out_specs(a.name, 0)
-            return a
-
-        args_schema = _tensor_lists(tree_map(to_schema, node.args))
-        kwargs_schema = tree_map(to_schema, node.kwargs)
-        specs = None
-        err = None
-        if isinstance(node.target, torch._ops.OpOverload):
-            specs, err = _rule_per_candidate(node, args_schema, kwargs_schema, dmesh)
-        strats = []
-        for spec in specs or []:
-            s = _from_opspec(spec, node, in_nodes, shapes, mesh)
-            if s is not None:
-                strats.append(s)
-        strats = list(dict.fromkeys(strats))
-        if not strats:
-            where = modules[name] or "<top level>"
-            why = "its sharding rule failed: " + err if err else "it has no sharding rule"
-            msg = (
-                f"{node.target} ({where}, node {name}): {why}; replicated on every mesh axis. "
-                "Add a rule in passes/strategies.py to shard it."
-            )
-            fallbacks[name] = fallback_of[key] = msg
-            warnings.warn(msg, NoRuleWarning, stacklevel=2)
-            strats = [_replicated(node, len(in_nodes), mesh)]
-        strategies[name] = done[key] = strats
-
-    out_node = next(iter(gm.graph.find_nodes(op="output")))
-    param_node = {
-        n.meta["desc"].target.removeprefix("model."): n.name
-        for n in gm.graph.find_nodes(op="placeholder")
-        if n.meta.get("autopar_role") == "param"
-    }
-    aliases = set()
-    for alias, first in step.alias_of.items():
-        if alias in param_node and first in param_node:
-            ties.append((param_node[first], param_node[alias]))
-            aliases.add(param_node[alias])
-    for pos, a in enumerate(out_node.args[0]):
-        if not isinstance(a, torch.fx.Node):
-            continue
-        if pos in step.grad_of:
-            sinks.append(Sink(a.name, 0, param_node[step.grad_of[pos]], pos))
-        elif step.has_loss:
-            sinks.append(Sink(a.name, 0, None, pos))
+            b.placeholder(node)
+        elif node.op == "call_function":
+            b.call(node)
         else:
-            sinks.append(Sink(a.name, 0, first_input, pos))
-    return StrategySpace(
-        mesh=mesh,
-        order=order,
-        strategies=strategies,
-        edges=edges,
-        sinks=sinks,
-        ties=ties,
-        shapes=shapes,
-        targets=targets,
-        roles=roles,
-        modules=modules,
-        fallbacks=fallbacks,
-        calls=calls,
-        aliases=aliases,
-        rep={n: r for n, r in rep.items() if n != r},
-    )
+            raise ValueError(f"unexpected node {node.format_node()} in the step graph")
+    b.graph_outputs()
+    sp.rep = {n: r for n, r in rep.items() if n != r}
+    return sp
 
 
 def _input_nodes(args) -> list[torch.fx.Node]:
@@ -644,15 +517,6 @@ def _input_nodes(args) -> list[torch.fx.Node]:
     return out
 
 
-def contiguous_stride(shape) -> tuple[int, ...]:
-    """The strides of a contiguous tensor of ``shape``."""
-    stride, acc = [], 1
-    for s in reversed(shape):
-        stride.append(acc)
-        acc *= max(s, 1)
-    return tuple(reversed(stride))
-
-
 _aten = torch.ops.aten
 # Ops that may take or give a _StridedShard: the views that flatten a sharded inner dim
 # (attention's [B, heads, S, D] -> [B*heads, S, D]), the batched matmuls between them, and
@@ -671,10 +535,6 @@ STRIDED_OPS = {
 }
 
 
-def _strided(ps) -> bool:
-    return ps is not None and any(type(p) is _StridedShard for p in ps)
-
-
 def _from_opspec(spec: OpSpec, node, in_nodes, shapes, mesh: Mesh) -> Strategy | None:
     """Turn DTensor's OpSpec into a Strategy, or None if autopar cannot use it."""
     outs = spec.output_specs
@@ -682,7 +542,7 @@ def _from_opspec(spec: OpSpec, node, in_nodes, shapes, mesh: Mesh) -> Strategy |
     node_shapes = shapes[node.name]
     if len(out_list) != len(node_shapes):
         return None
-    out_ps = []
+    out_ps: list[Placements | None] = []
     for o, sd in zip(out_list, node_shapes):
         if sd is None:
             out_ps.append(None)
@@ -690,7 +550,7 @@ def _from_opspec(spec: OpSpec, node, in_nodes, shapes, mesh: Mesh) -> Strategy |
         if o is None:
             return None
         ps = tuple(o.placements)
-        if not all(_allowed(p) for p in ps) or not _divides(ps, sd[0], mesh.shape):
+        if not all(is_planned(p) for p in ps) or not divides(ps, sd[0], mesh.shape):
             return None
         out_ps.append(ps)
     if spec.input_specs is None:
@@ -701,20 +561,13 @@ def _from_opspec(spec: OpSpec, node, in_nodes, shapes, mesh: Mesh) -> Strategy |
         return None
     in_ps = []
     for s, a in zip(in_specs, in_nodes):
+        if s is None:
+            return None
         ps = tuple(s.placements)
         sd = shapes[a.name][0]
-        if not all(_allowed(p) for p in ps) or (sd and not _divides(ps, sd[0], mesh.shape)):
+        if not all(is_planned(p) for p in ps) or (sd and not divides(ps, sd[0], mesh.shape)):
             return None
         in_ps.append(ps)
-    if node.target not in STRIDED_OPS and any(_strided(ps) for ps in out_ps + in_ps):
+    if node.target not in STRIDED_OPS and any(is_strided(ps) for ps in out_ps + in_ps):
         return None
     return Strategy(out=tuple(out_ps), ins=tuple(in_ps))
-
-
-def local_shape(shape: tuple[int, ...], placements: Placements, mesh_shape) -> tuple[int, ...]:
-    """The shape one rank holds of a tensor of global ``shape`` placed by ``placements``."""
-    out = list(shape)
-    for size, p in zip(mesh_shape, placements):
-        if isinstance(p, (Shard, _StridedShard)):
-            out[p.dim] = math.ceil(out[p.dim] / size)
-    return tuple(out)

@@ -14,7 +14,7 @@ loss, then ``aot_export_joint_with_descriptors`` on the exported module. The des
 placeholders and outputs (``ParamAOTInput``, ``PlainAOTInput``, ``TangentAOTInput``,
 ``GradAOTOutput``) give every graph input and output its role.
 
-Node meta written here (read by later passes):
+Node meta written here (read by later passes; names in core/roles.py):
     ``autopar_role``   "param" | "buffer" | "input" | "target" | "tangent" for placeholders,
                        "forward" | "backward" for operators.
     ``autopar_module`` the module path of the original model the node came from
@@ -31,11 +31,29 @@ context live in it): compile the graph before the stack closes.
 from __future__ import annotations
 
 import contextlib
+import copy
+import hashlib
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
+from torch._functorch._aot_autograd.descriptors import (
+    BufferAOTInput,
+    GradAOTOutput,
+    ParamAOTInput,
+    PlainAOTInput,
+    PlainAOTOutput,
+    TangentAOTInput,
+)
+from torch._functorch.aot_autograd import (
+    JointWithDescriptors,
+    aot_export_joint_with_descriptors,
+)
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from autopar.core import roles
 
 __all__ = ["StepGraph", "TraceError", "trace_step"]
 
@@ -82,7 +100,7 @@ class StepGraph:
     """
 
     gm: torch.fx.GraphModule
-    joint: object
+    joint: JointWithDescriptors
     param_names: list[str]
     buffer_names: list[str]
     n_inputs: int
@@ -101,8 +119,6 @@ class StepGraph:
 
     def fingerprint(self) -> str:
         """A hash of the graph's structure: ops, shapes, dtypes and edges, in order."""
-        import hashlib
-
         h = hashlib.sha256()
         for n in self.gm.graph.nodes:
             v = n.meta.get("val")
@@ -161,10 +177,6 @@ def _meta_to_fake(model: nn.Module, inputs, targets):
     (the rotary embedding of HF Llama has one), so the joint graph would have no backward;
     fake tensors on the CPU device trace like real ones.
     """
-    import copy
-
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     mode = FakeTensorMode(allow_non_fake_inputs=False)
 
     def fake(t: torch.Tensor) -> torch.Tensor:
@@ -174,7 +186,7 @@ def _meta_to_fake(model: nn.Module, inputs, targets):
         return out
 
     model = copy.deepcopy(model)
-    memo: dict[int, torch.Tensor] = {}  # tied weights stay tied
+    memo: dict[int, Any] = {}  # tied weights stay tied
     for mod in model.modules():
         for name, p in list(mod._parameters.items()):
             if p is not None:
@@ -221,16 +233,6 @@ def trace_step(
     stack: contextlib.ExitStack,
 ) -> StepGraph:
     """Trace ``loss_fn(model(*example_inputs), *example_targets)`` into a joint graph."""
-    from torch._functorch._aot_autograd.descriptors import (
-        BufferAOTInput,
-        GradAOTOutput,
-        ParamAOTInput,
-        PlainAOTInput,
-        PlainAOTOutput,
-        TangentAOTInput,
-    )
-    from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
-
     inputs, targets = _check_inputs(model, example_inputs, loss_fn, example_targets)
     first_name: dict[int, str] = {}
     alias_of: dict[str, str] = {}
@@ -274,30 +276,29 @@ def trace_step(
         if n.op == "placeholder":
             desc = n.meta.get("desc")
             if isinstance(desc, ParamAOTInput):
-                role = "param"
+                role = roles.PARAM
                 param_names.append(_strip(desc.target))
             elif isinstance(desc, BufferAOTInput):
-                role = "buffer"
+                role = roles.BUFFER
                 buffer_names.append(_strip(desc.target))
             elif isinstance(desc, PlainAOTInput):
-                role = "input" if desc.idx < len(inputs) else "target"
+                role = roles.INPUT if desc.idx < len(inputs) else roles.TARGET
             elif isinstance(desc, TangentAOTInput):
-                role = "tangent"
+                role = roles.TANGENT
             else:
                 raise TraceError(f"unexpected graph input {n.name} ({desc!r})")
-            n.meta["autopar_role"] = role
-            n.meta["autopar_module"] = ""
+            n.meta[roles.META_ROLE] = role
+            n.meta[roles.META_MODULE] = ""
         elif n.op == "call_function":
-            n.meta["autopar_role"] = (
-                "backward" if n.meta.get("partitioner_tag") == "is_backward" else "forward"
-            )
+            backward = n.meta.get("partitioner_tag") == "is_backward"
+            n.meta[roles.META_ROLE] = roles.BACKWARD if backward else roles.FORWARD
             path = _module_path(n)
             seq = n.meta.get("seq_nr")
-            if n.meta["autopar_role"] == "forward" and seq is not None:
+            if not backward and seq is not None:
                 seq_module.setdefault(seq, path)
             elif not path and seq is not None:
                 path = seq_module.get(seq, "")
-            n.meta["autopar_module"] = path
+            n.meta[roles.META_MODULE] = path
 
     out = next(iter(gm.graph.find_nodes(op="output")))
     grad_of: dict[int, str] = {}

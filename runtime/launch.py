@@ -12,6 +12,8 @@ import os
 import socket
 import traceback
 
+import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 __all__ = ["free_port", "run_local"]
@@ -25,9 +27,6 @@ def free_port() -> int:
 
 
 def _worker(rank, world_size, port, fn, args, queue):
-    import torch
-    import torch.distributed as dist
-
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)

@@ -1,8 +1,10 @@
 """``ParallelModule``: the compiled local step, holding this rank's parameter shards.
 
-The shards are ordinary ``nn.Parameter``s (any torch optimizer works on them). Calling the
-module runs the compiled local joint graph (forward now, backward when ``loss.backward()``
-is called), with the collectives the plan chose. It never re-plans.
+Takes a ``Plan`` and a ``CompiledStep`` (core), and the model whose weights it shards; it
+never re-plans and never reads the traced graph. The shards are ordinary ``nn.Parameter``s
+(any torch optimizer works on them). Calling the module runs the compiled local joint graph
+(forward now, backward when ``loss.backward()`` is called), with the collectives the plan
+chose.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from autopar.passes.strategies import contiguous_stride, local_shape, parse_placement
+from autopar.core import CompiledStep, Plan, contiguous_stride, local_shape
 
 __all__ = ["ParallelModule"]
 
@@ -30,21 +32,30 @@ class ParallelModule(nn.Module):
     ``gather_grads()`` and ``state_dict()`` return full tensors keyed by the original names.
     """
 
-    def __init__(self, model: nn.Module, plan, device_mesh, compiled_fn, step, local):
+    def __init__(
+        self,
+        model: nn.Module,
+        plan: Plan,
+        device_mesh,
+        compiled: CompiledStep,
+        *,
+        stats: dict | None = None,
+    ):
         super().__init__()
         self.plan = plan
         self.device_mesh = device_mesh
-        self._fn = compiled_fn
-        self._local_gm = local.gm
-        self.mismatches = list(local.mismatches)
-        self._param_names = list(step.param_names)
-        self._buffer_names = list(step.buffer_names)
-        self._n_args = step.n_inputs + (step.n_targets if step.has_loss else 0)
+        self.compiled = compiled
+        self.stats = dict(stats or {})
+        self.mismatches = list(compiled.mismatches)
+        self._fn = compiled.fn
+        self._param_names = list(compiled.param_names)
+        self._buffer_names = list(compiled.buffer_names)
+        self._n_args = len(plan.inputs)
         self._global_shapes: dict[str, torch.Size] = {}
         self._placements = placements = plan.param_placements
         named = dict(model.named_parameters(remove_duplicate=False))
         named_buffers = dict(model.named_buffers(remove_duplicate=False))
-        self._alias_of = dict(step.alias_of)
+        self._alias_of = dict(compiled.alias_of)
         for name in self._param_names:
             full = named[name].detach()
             self._global_shapes[name] = full.shape
@@ -53,17 +64,12 @@ class ParallelModule(nn.Module):
             local = distribute_tensor(full, device_mesh, placements[name], src_data_rank=None)
             self.register_parameter(_key(name), nn.Parameter(local.to_local().clone()))
         for name in self._buffer_names:
-            node = plan.buffers[name]
-            ps = tuple(parse_placement(p) for p in plan.nodes[node].out[0])
+            ps = plan.placements_of(plan.buffers[name])
             full = named_buffers[name].detach()
             local = distribute_tensor(full, device_mesh, ps, src_data_rank=None)
             self.register_buffer(_key(name), local.to_local().clone())
         self._input_placements = plan.input_placements
-        self._input_shapes = [
-            tuple(n.meta["val"].shape)
-            for n in step.placeholders()
-            if n.meta["autopar_role"] in ("input", "target")
-        ]
+        self._input_shapes = list(compiled.input_shapes)
 
     # -- running -------------------------------------------------------------------------
 
@@ -117,7 +123,7 @@ class ParallelModule(nn.Module):
         )
         return d.full_tensor()
 
-    def gather_grads(self) -> dict[str, torch.Tensor]:
+    def gather_grads(self) -> dict[str, torch.Tensor | None]:
         """``{original parameter name: full gradient}`` (None where there is no gradient)."""
         out = {}
         for name in self._param_names:
@@ -125,7 +131,9 @@ class ParallelModule(nn.Module):
             out[name] = None if p.grad is None else self._full(name, p.grad.detach())
         return out
 
-    def state_dict(self, *args, **kwargs) -> OrderedDict:  # noqa: ARG002
+    # NOTE: full tensors keyed by the model's names, not nn.Module's local-state protocol
+    # (prefix, destination, keep_vars), hence the narrower signature.
+    def state_dict(self, *args, **kwargs) -> OrderedDict:  # type: ignore[override]
         """Full parameters (and buffers) keyed by the original model's names."""
         out = OrderedDict()
         for name in self._param_names:
@@ -136,6 +144,4 @@ class ParallelModule(nn.Module):
 
     def collective_counts(self) -> dict[tuple[str, str], int]:
         """``{(kind, axis name): count}`` of the collectives in the compiled step graph."""
-        from autopar.passes.codegen import count_collectives
-
-        return count_collectives(self._local_gm, self.device_mesh)
+        return dict(self.compiled.collective_counts)

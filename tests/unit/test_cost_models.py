@@ -17,6 +17,7 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from autopar.core import Mesh
 from autopar.cost_models import (
     PROFILES,
     Collective,
@@ -31,7 +32,6 @@ from autopar.cost_models import (
     redistribute_collectives,
     redistribute_time,
 )
-from autopar.mesh import Mesh
 
 aten = torch.ops.aten
 S = torch.Size

@@ -7,13 +7,9 @@ from torch import nn
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autopar import Mesh
+from autopar.core import parse_placement, placement_str
 from autopar.models import GPT, MLP, GPTConfig, cross_entropy_loss, lm_batch, mse_loss
-from autopar.passes.strategies import (
-    NoRuleWarning,
-    build_strategies,
-    parse_placement,
-    placement_str,
-)
+from autopar.passes.strategies import NoRuleWarning, build_strategies
 from autopar.passes.trace import trace_step
 
 

@@ -1,6 +1,6 @@
 """``Plan``: what the planner chose, serializable, deterministic and readable.
 
-A plan names, for every node of the traced step graph (by its stable fx name), the strategy
+``Plan.from_solution(space, solution, ...)`` builds it from the solver's result. A plan names, for every node of the traced step graph (by its stable fx name), the strategy
 it takes: the placements of its outputs and of its tensor inputs on every mesh axis, as short
 text (``S(0)``, ``R``, ``P(sum)``). It also records the collectives the plan runs per step,
 the cost breakdown, and statistics of the planning run.
@@ -14,14 +14,39 @@ for byte. ``to_json(timings=True)`` keeps them; ``from_json`` reads either, and
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .mesh import Mesh
+import torch
 
-__all__ = ["Plan", "NodeChoice", "PLAN_FORMAT"]
+from .mesh import Mesh
+from .placements import parse_placements, placement_str
+from .roles import op_name
+from .space import Solution, StrategySpace
+from .version import __version__
+
+__all__ = ["Plan", "NodeChoice", "PLAN_FORMAT", "STATS_ORDER"]
 
 PLAN_FORMAT = 1
+
+STATS_ORDER = (
+    "solver",
+    "status",
+    "nodes",
+    "solver_nodes",
+    "merged_nodes",
+    "strategies",
+    "edge_variables",
+    "variables",
+    "constraints",
+    "param_shapes",
+    "fold",
+    "fold_regions",
+    "folded_nodes",
+    "fold_groups",
+)
+"""The order of ``Plan.stats`` keys in the JSON (the rest follow in the order given)."""
 
 
 @dataclass(frozen=True)
@@ -43,6 +68,13 @@ class NodeChoice:
     out: tuple[tuple[str, ...] | None, ...]
     ins: tuple[tuple[str, ...], ...]
     cost_s: float
+
+    def placement(self, idx: int = 0) -> tuple[str, ...]:
+        """The placement texts of tensor output ``idx``, one per mesh axis."""
+        ps = self.out[idx]
+        if ps is None:
+            raise ValueError(f"output {idx} of this {self.op} node is not a tensor")
+        return ps
 
     def to_dict(self) -> dict:
         return {
@@ -107,24 +139,117 @@ class Plan:
     stats: dict = field(default_factory=dict)
     versions: dict = field(default_factory=dict)
 
+    # -- construction --------------------------------------------------------------------
+
+    @classmethod
+    def from_solution(
+        cls, space: StrategySpace, solution: Solution, *, fingerprint: str, stats: dict
+    ) -> Plan:
+        """The plan of ``solution`` (passes/solve) over ``space`` (passes/strategies).
+
+        ``stats``: what the pass runner recorded (stage times and sizes); the solver's own
+        statistics are added, and the keys ordered by ``STATS_ORDER``.
+        """
+        mesh = space.mesh
+
+        def text(ps):
+            return None if ps is None else tuple(placement_str(p) for p in ps)
+
+        nodes = {}
+        for name in space.order:
+            s = solution.chosen(space, name)
+            nodes[name] = NodeChoice(
+                op=op_name(space.targets[name]),
+                module=space.modules[name],
+                role=space.roles[name],
+                out=tuple(text(o) for o in s.out),
+                ins=tuple(text(i) for i in s.ins),
+                cost_s=solution.node_cost_s[name],
+            )
+        outputs: list = [None] * space.n_outputs
+        replicated = ("R",) * mesh.ndim
+        for sink in space.sinks:
+            outputs[sink.position] = (
+                replicated if sink.like is None else nodes[sink.like].placement()
+            )
+
+        per_rank = total = 0
+        for node in space.params.values():
+            if node in space.aliases:
+                continue  # a tied parameter is stored once
+            shape, dtype = space.tensor(node)
+            nbytes = math.prod(shape) * dtype.itemsize
+            shards = math.prod(
+                size for size, p in zip(mesh.shape, nodes[node].placement()) if p.startswith("S")
+            )
+            total += nbytes
+            per_rank += nbytes // shards
+        by_kind: dict[str, float] = {}
+        collectives = []
+        for label, c, t in solution.collectives:
+            by_kind[c.kind] = by_kind.get(c.kind, 0.0) + t
+            collectives.append(
+                {
+                    "edge": label,
+                    "kind": c.kind,
+                    "axis": mesh.axis_names[c.axis],
+                    "nbytes": int(c.nbytes),
+                    "group_size": int(c.group_size),
+                    "time_s": t,
+                }
+            )
+        merged = {
+            **solution.stats,
+            **stats,
+            "param_shapes": {
+                name: list(space.tensor(node)[0]) for name, node in space.params.items()
+            },
+        }
+        ordered = {k: merged[k] for k in STATS_ORDER if k in merged}
+        ordered.update((k, v) for k, v in merged.items() if k not in ordered)
+        return cls(
+            fingerprint=fingerprint,
+            mesh=mesh,
+            nodes=nodes,
+            params=dict(space.params),
+            buffers=dict(space.buffers),
+            inputs=tuple(space.inputs),
+            has_loss=space.has_loss,
+            outputs=tuple(outputs),
+            fallback_nodes=tuple(sorted(space.fallbacks)),
+            collectives=tuple(collectives),
+            cost={
+                "compute_s": solution.compute_s,
+                "comm_s": solution.comm_s,
+                "total_s": solution.objective_s,
+                "comm_by_kind_s": dict(sorted(by_kind.items())),
+            },
+            memory={"param_bytes_per_rank": int(per_rank), "param_bytes_total": int(total)},
+            warnings=tuple(space.fallbacks[n] for n in sorted(space.fallbacks)),
+            stats=ordered,
+            versions={"autopar": __version__, "torch": torch.__version__.split("+")[0]},
+        )
+
     # -- views ---------------------------------------------------------------------------
+
+    def placements_of(self, node: str) -> tuple:
+        """Torch placements (one per mesh axis) of output 0 of ``node``."""
+        return parse_placements(self.nodes[node].placement())
 
     @property
     def param_placements(self) -> dict[str, tuple]:
         """``{parameter name: tuple of torch placements, one per mesh axis}``."""
-        from autopar.passes.strategies import parse_placement
+        return {name: self.placements_of(node) for name, node in self.params.items()}
 
-        return {
-            name: tuple(parse_placement(p) for p in self.nodes[node].out[0])
-            for name, node in self.params.items()
-        }
+    @property
+    def buffer_placements(self) -> dict[str, tuple]:
+        """``{buffer name: tuple of torch placements, one per mesh axis}``."""
+        return {name: self.placements_of(node) for name, node in self.buffers.items()}
 
     @property
     def input_placements(self) -> list[tuple]:
         """Placements of each user input, then each target, one tuple per tensor."""
-        from autopar.passes.strategies import parse_placement
-
-        return [tuple(parse_placement(p) for p in self.nodes[n].out[0]) for n in self.inputs]
+        return [self.placements_of(n) for n in self.inputs]
 
     @property
     def output_placements(self) -> tuple[tuple[str, ...] | None, ...]:
@@ -148,12 +273,12 @@ class Plan:
         lines += [head, "-" * len(head)]
         shapes = self.stats.get("param_shapes", {})
         for name, node in self.params.items():
-            ps = self.nodes[node].out[0]
+            ps = self.nodes[node].placement()
             shape = "x".join(str(s) for s in shapes.get(name, ())) or "?"
             lines.append(f"{name:<{width}}  {shape:<14}" + "".join(f"  {p:<6}" for p in ps))
         lines.append("")
         for i, node in enumerate(self.inputs):
-            ps = self.nodes[node].out[0]
+            ps = self.nodes[node].placement()
             lines.append(f"input {i}: " + ", ".join(f"{a}={p}" for a, p in zip(axes, ps)))
         c = self.cost
         lines += [
@@ -190,8 +315,8 @@ class Plan:
             lines.append(
                 f"time: trace {st['trace_s']:.2f} s, search {st.get('search_s', 0):.2f} s "
                 f"(fold {st.get('fold_s', 0):.2f}, strategies {st.get('strategies_s', 0):.2f}, "
-                f"costs {st.get('cost_s', 0):.2f}, ILP build {st.get('build_s', 0):.2f}, "
-                f"solve {st.get('solve_s', 0):.2f})"
+                f"solve {st.get('solve_s', 0):.2f}: costs {st.get('cost_s', 0):.2f}, "
+                f"ILP build {st.get('build_s', 0):.2f}, ILP solve {st.get('ilp_s', 0):.2f})"
             )
         for w in self.warnings:
             lines.append(f"warning: {w}")

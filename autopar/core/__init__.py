@@ -1,0 +1,67 @@
+"""The core types of autopar: the bottom layer, which imports nothing else of the project.
+
+Every other layer stands on these (docs/architecture.md):
+
+    ``Mesh``                       core/mesh.py        a device mesh described for planning
+    placements codec, local shape  core/placements.py  ``S(0)``/``R``/``P(sum)`` <-> torch
+    node roles                     core/roles.py       what each node of a step graph is
+    ``Strategy``, ``StrategySpace``,  core/space.py    what the solver chooses from, and
+    ``Solution``, ``Collective``                       what it chose
+    ``Plan``, ``NodeChoice``       core/plan.py        the plan, serializable
+    ``CompiledStep``               core/compiled.py    what codegen hands the runtime
+"""
+
+from .compiled import CompiledStep
+from .mesh import Mesh
+from .placements import (
+    Placements,
+    contiguous_stride,
+    divides,
+    is_planned,
+    is_strided,
+    local_shape,
+    parse_placement,
+    parse_placements,
+    placement_str,
+)
+from .plan import PLAN_FORMAT, STATS_ORDER, NodeChoice, Plan
+from .roles import op_name
+from .space import (
+    COLLECTIVE_KINDS,
+    Collective,
+    Edge,
+    Sink,
+    Solution,
+    Strategy,
+    StrategySpace,
+    TensorInput,
+)
+from .version import __version__
+
+__all__ = [
+    "COLLECTIVE_KINDS",
+    "PLAN_FORMAT",
+    "STATS_ORDER",
+    "Collective",
+    "CompiledStep",
+    "Edge",
+    "Mesh",
+    "NodeChoice",
+    "Placements",
+    "Plan",
+    "Sink",
+    "Solution",
+    "Strategy",
+    "StrategySpace",
+    "TensorInput",
+    "__version__",
+    "contiguous_stride",
+    "divides",
+    "is_planned",
+    "is_strided",
+    "local_shape",
+    "op_name",
+    "parse_placement",
+    "parse_placements",
+    "placement_str",
+]

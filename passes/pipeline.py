@@ -1,0 +1,200 @@
+"""The pass runner: the pipeline as named stages, run by one driver.
+
+Takes: a list of ``Stage``s and a state dict holding what the first stage reads. Returns:
+the state, with each stage's output under the stage's name, and the stage statistics added
+to ``stats``. The pipeline of docs/architecture.md, as entries:
+
+    stage        reads                                   output        statistics
+    trace        model, example_inputs, loss_fn,         StepGraph     nodes
+                 example_targets, stack
+    fold         trace                                   FoldedGraph   fold, fold_regions,
+                                                          (None when     folded_nodes,
+                                                          skipped)       fold_groups
+    strategies   trace, fold, mesh                       StrategySpace strategies
+    solve        strategies, options                     Solution      the solver's (problem
+                                                                       size, status, phases)
+    codegen      trace, plan, dmesh                      CompiledStep  local_nodes,
+                                                                       local_collectives
+
+``run_stages`` runs the stages in order. For each it records the wall time as
+``stats["<name>_s"]`` and the stage's own statistics, and logs one line (logger
+``autopar``). A stage named in ``skip`` does not run: its output is None and its statistics
+say so; only stages marked ``skippable`` may be skipped (``fold``: ``fold=False`` of the
+public API is ``skip={"fold"}``). A new stage is a new entry in a list (``PLAN_STAGES``,
+``COMPILE_STAGES``), not an edit of the driver.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from autopar.core import CompiledStep, Solution, StrategySpace
+
+from .codegen import codegen
+from .fold import FoldedGraph, fold_regions
+from .solve import solve
+from .strategies import build_strategies
+from .trace import StepGraph, trace_step
+
+__all__ = [
+    "COMPILE_STAGES",
+    "PLAN_STAGES",
+    "STAGE_NAMES",
+    "TRACE",
+    "PlanOptions",
+    "Stage",
+    "run_stages",
+]
+
+log = logging.getLogger("autopar")
+
+
+@dataclass(frozen=True, slots=True)
+class PlanOptions:
+    """What the planning stages take besides the model and the mesh."""
+
+    time_limit_s: float = 600.0
+    """The solver's time limit in seconds."""
+
+    memory_budget: float | None = None
+    """Bytes per rank for parameters, gradients and AdamW state (None: no bound)."""
+
+    skip: frozenset[str] = frozenset()
+    """Names of stages not to run (only skippable ones: ``fold``)."""
+
+    def __post_init__(self):
+        if self.time_limit_s <= 0:
+            raise ValueError(f"time_limit_s must be > 0, got {self.time_limit_s}")
+        if self.memory_budget is not None and self.memory_budget <= 0:
+            raise ValueError(
+                f"memory_budget must be a positive number of bytes, got {self.memory_budget}"
+            )
+        unknown = set(self.skip) - set(STAGE_NAMES)
+        if unknown:
+            raise ValueError(f"unknown stage(s) {sorted(unknown)}; stages are {STAGE_NAMES}")
+        fixed = [s.name for s in ALL_STAGES if s.name in self.skip and not s.skippable]
+        if fixed:
+            skippable = [s.name for s in ALL_STAGES if s.skippable]
+            raise ValueError(f"stage(s) {fixed} cannot be skipped; skippable: {skippable}")
+
+
+@dataclass(frozen=True, slots=True)
+class Stage:
+    """One named stage of the pipeline.
+
+    Attributes:
+        name: the stage's name: its output's key in the state, its time's in ``stats``.
+        run: ``run(state) -> output``; reads earlier outputs from ``state`` by name.
+        stats: ``stats(output) -> dict`` of sizes for ``plan.stats`` (``output`` is None
+            when the stage was skipped).
+        skippable: whether ``skip`` may name it (later stages accept its None output).
+    """
+
+    name: str
+    run: Callable[[dict], Any]
+    stats: Callable[[Any], dict] = field(default=lambda out: {})
+    skippable: bool = False
+
+
+def run_stages(
+    stages: Sequence[Stage], state: dict, stats: dict, *, skip: Collection[str] = ()
+) -> dict:
+    """Run ``stages`` in order on ``state`` (module docstring); returns ``state``."""
+    for stage in stages:
+        if stage.name in skip:
+            if not stage.skippable:
+                raise ValueError(f"stage {stage.name!r} cannot be skipped")
+            state[stage.name] = None
+            stats.update(stage.stats(None))
+            log.info("autopar: %-10s skipped", stage.name)
+            continue
+        t0 = time.perf_counter()
+        out = stage.run(state)
+        seconds = time.perf_counter() - t0
+        state[stage.name] = out
+        sizes = stage.stats(out)
+        stats[f"{stage.name}_s"] = seconds
+        stats.update(sizes)
+        shown = ", ".join(f"{k} {v}" for k, v in sizes.items() if isinstance(v, (int, str)))
+        log.info("autopar: %-10s %7.2f s  %s", stage.name, seconds, shown)
+    return state
+
+
+# -- the stages ----------------------------------------------------------------------------
+
+
+def _trace(state: dict) -> StepGraph:
+    return trace_step(
+        state["model"],
+        state["example_inputs"],
+        loss_fn=state.get("loss_fn"),
+        example_targets=state.get("example_targets"),
+        stack=state["stack"],
+    )
+
+
+def _trace_stats(step: StepGraph | None) -> dict:
+    return {"nodes": sum(1 for n in step.gm.graph.nodes if n.op != "output")} if step else {}
+
+
+def _fold(state: dict) -> FoldedGraph:
+    folded = fold_regions(state["trace"])
+    log.info("autopar: %s", folded.report())
+    return folded
+
+
+def _fold_stats(folded: FoldedGraph | None) -> dict:
+    if folded is None:
+        return {"fold": False, "fold_regions": 0, "folded_nodes": 0, "fold_groups": []}
+    return {"fold": True, **folded.stats()}
+
+
+def _strategies(state: dict) -> StrategySpace:
+    # NOTE: DTensor's rules may warn once per process; recording with "always" and warning
+    # again through the caller's filters shows each planning run's warnings to the caller.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        space = build_strategies(state["trace"], state["mesh"], folded=state.get("fold"))
+    for w in caught:
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return space
+
+
+def _solve(state: dict) -> Solution:
+    options: PlanOptions = state["options"]
+    return solve(
+        state["strategies"],
+        time_limit_s=options.time_limit_s,
+        memory_budget=options.memory_budget,
+    )
+
+
+def _codegen(state: dict) -> CompiledStep:
+    return codegen(state["trace"], state["plan"], state["dmesh"])
+
+
+def _codegen_stats(compiled: CompiledStep | None) -> dict:
+    if compiled is None:
+        return {}
+    return {
+        "local_nodes": len(compiled.gm.graph.nodes),
+        "local_collectives": sum(compiled.collective_counts.values()),
+    }
+
+
+TRACE = Stage("trace", _trace, _trace_stats)
+PLAN_STAGES = (
+    Stage("fold", _fold, _fold_stats, skippable=True),
+    Stage("strategies", _strategies, lambda sp: {"strategies": sp.n_strategies()}),
+    Stage("solve", _solve, lambda sol: dict(sol.stats)),
+)
+"""From a traced step to a solution: what ``autopar.plan`` runs after ``TRACE``."""
+COMPILE_STAGES = (Stage("codegen", _codegen, _codegen_stats),)
+"""From a plan to the compiled local step: what ``autopar.compile`` runs after planning."""
+ALL_STAGES = (TRACE, *PLAN_STAGES, *COMPILE_STAGES)
+STAGE_NAMES = tuple(s.name for s in ALL_STAGES)
