@@ -37,6 +37,7 @@ def test_mesh_size_must_equal_world_size():
 
 def _outputs_without_loss(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
 
     import autopar
     from autopar.models import GPT, GPTConfig, lm_batch
@@ -54,18 +55,24 @@ def _outputs_without_loss(rank, world):
     (local,) = pm.shard_inputs(tokens)
     out = pm(local)
     out.sum().backward()
-    # the local batch in, the local batch out
-    lo = rank * local.shape[0] if local.shape[0] < tokens.shape[0] else 0
-    want = ref[lo : lo + local.shape[0]]
-    return (out - want).abs().max().item(), tuple(out.shape), pm.plan.input_placements[0]
+    # the local batch in, the local batch out: gathered, the global output
+    placements = pm.plan.placements_of(pm.plan.inputs[0])
+    whole = DTensor.from_local(
+        out.detach(), mesh, placements, shape=ref.shape, stride=ref.stride()
+    ).full_tensor()
+    return (whole - ref).abs().max().item(), tuple(whole.shape), tuple(out.shape), placements
 
 
 @pytest.mark.distributed
 def test_model_without_loss_returns_local_outputs():
+    from torch.distributed.tensor import Shard
+
     results = run_local(_outputs_without_loss, 2)
-    for err, shape, _ in results:
+    for err, shape, local_shape, placements in results:
         assert err < 1e-10
-        assert shape[1:] == (32, 128)
+        assert shape == (8, 32, 128)
+        # the batch was split: each rank returned its half
+        assert placements == (Shard(0),) and local_shape == (4, 32, 128)
 
 
 def _saved_plan(rank, world, path):

@@ -4,7 +4,8 @@ Every case plans with folding on (the default: the transformers' layers share on
 choices) and with a parameter-memory budget below the whole model, so the plan must
 shard: the collectives it inserts are exercised. Each case checks the loss of every step,
 every gathered gradient of the first step, and every parameter after 3 AdamW steps.
-HF Llama runs in float32 (its RMSNorm and rotary embedding compute in float32 whatever the
+``gpt-tied`` ties its LM head to its token embedding: two names, one weight, whose gradient
+sums both uses. HF Llama runs in float32 (its RMSNorm and rotary embedding compute in float32 whatever the
 model's dtype, so float64 cannot be tighter than float32 there).
 """
 
@@ -19,6 +20,7 @@ CASES = [
     ("gpt", (2,), ("dp",), "float64", 0.6),
     ("gpt", (4,), ("dp",), "float64", 0.3),
     ("gpt", (2, 2), ("dp", "tp"), "float64", 0.5),
+    ("gpt-tied", (2, 2), ("dp", "tp"), "float64", 0.5),
     ("hf-gpt2", (2,), ("dp",), "float64", 0.6),
     ("hf-gpt2", (2, 2), ("dp", "tp"), "float64", 0.5),
     ("hf-llama", (2,), ("dp",), "float32", 0.6),
@@ -59,7 +61,14 @@ def test_zoo_matches_single_device(example, mesh, axes, dtype, fraction):
     # ... and the collectives it predicts are the ones the compiled step runs
     assert _on_gloo(r0.predicted) == r0.ran
     assert r0.mismatches == []
+    # one local parameter per model parameter (a tied weight is one shard under two names)
+    assert r0.local_params == r0.model_params
     plan = Plan.from_json(r0.plan_json)
+    if example == "gpt-tied":
+        # the two names of the tied weight are placed alike, and the budget shards them
+        pp = plan.param_placements
+        assert pp["tok.weight"] == pp["head.weight"]
+        assert any(p != ("R", "R") for p in (plan.nodes[n].out[0] for n in plan.params.values()))
     if example != "mlp":
         # planned with folding (the default): the layers shared one set of choices
         assert plan.stats["fold_groups"], plan.summary()

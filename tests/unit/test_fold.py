@@ -168,45 +168,64 @@ def test_model_without_repetition_folds_nothing_and_plans_as_unfolded():
     assert folded.cost == plain.cost
 
 
+def _solve_both(step, mesh, *, same_plan=True, **kw):
+    """The folded and the unfolded ILP of one traced step, each solved to optimality.
+
+    ``same_plan``: the unfolded optimum treats every layer alike, so folding must find it;
+    otherwise folding, a restriction, may only cost more."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        folded_space = build_strategies(step, mesh, folded=fold_regions(step))
+        plain_space = build_strategies(step, mesh)
+    folded = solve(folded_space, mip_gap=0.0, **kw)
+    plain = solve(plain_space, mip_gap=0.0, **kw)
+    assert folded.stats["solver_nodes"] < plain.stats["solver_nodes"]
+    assert folded.stats["variables"] < plain.stats["variables"]
+    if not same_plan:
+        assert plain.objective_s <= folded.objective_s * (1 + 1e-9)
+        return folded, plain
+    assert folded.objective_s == pytest.approx(plain.objective_s, rel=1e-9)
+    return folded, plain
+
+
 def test_two_alternating_kinds_of_layer_fold_into_two_groups():
     cfg = GPTConfig(vocab=128, seq=32, hidden=64, heads=4, ffn=256)
     with torch.device("meta"):
         model = Alternating(cfg, pairs=2)
     tokens = torch.zeros(8, 32, dtype=torch.long, device="meta")
     example = (model, (tokens,), cross_entropy_loss, (tokens,))
+    mesh = autopar.Mesh((4,), ("dp",))
+    budget = 4 * sum(p.numel() * 4 for p in model.parameters()) * 0.5
     with contextlib.ExitStack() as stack:
-        folded = fold_regions(_trace(*example, stack))
+        step = _trace(*example, stack)
+        folded = fold_regions(step)
+        # a budget may make the unfolded optimum shard two layers of one kind differently
+        # (one sharded more to make room for the other): folding gives that up
+        folded_sol, plain_sol = _solve_both(step, mesh, same_plan=False, memory_budget=budget)
+    assert folded_sol.objective_s <= plain_sol.objective_s * (1 + 1e-3)
     assert sorted(sorted(g.instances) for g in folded.groups) == [
         ["layers.0", "layers.2"],
         ["layers.1", "layers.3"],
     ]
-    mesh = autopar.Mesh((4,), ("dp",))
-    full = sum(p.numel() * 4 for p in model.parameters())
-    budget = 4 * full * 0.5
+    assert folded_sol.stats["solver_nodes"] < 0.6 * plain_sol.stats["solver_nodes"]
     a = _plan(example, mesh, memory_budget=budget)
-    b = _plan(example, mesh, memory_budget=budget, fold=False)
     assert [g["instances"] for g in a.stats["fold_groups"]] == [2, 2]
-    assert a.stats["solver_nodes"] < 0.6 * b.stats["solver_nodes"]
     assert a.stats["folded_nodes"] == a.stats["nodes"] - a.stats["solver_nodes"]
-    assert a.stats["fold_regions"] == 4 and b.stats["fold_regions"] == 0
+    assert a.stats["fold_regions"] == 4
     # every instance takes its representative's placements
     pp = a.param_placements
     assert pp["layers.2.attn.q.weight"] == pp["layers.0.attn.q.weight"]
     assert pp["layers.3.up.weight"] == pp["layers.1.up.weight"]
     assert a.memory["param_bytes_per_rank"] <= budget / 4
     assert a.collectives, "the budget forces sharding"
-    assert a.cost["total_s"] == pytest.approx(b.cost["total_s"], rel=1e-3)
 
 
 @pytest.mark.parametrize("depth", [2, 4, 8])
 def test_folded_plan_equals_unfolded_plan(depth):
-    example = _gpt(depth, hidden=256, heads=4, ffn=1024, seq=128, vocab=512)
     mesh = autopar.Mesh((2, 2), ("dp", "tp"), device="h100")
-    folded = _plan(example, mesh)
-    plain = _plan(example, mesh, fold=False)
-    assert folded.stats["solver_nodes"] < plain.stats["solver_nodes"]
-    assert folded.stats["variables"] < plain.stats["variables"]
-    assert folded.cost["total_s"] == pytest.approx(plain.cost["total_s"], rel=1e-3)
+    with contextlib.ExitStack() as stack:
+        step = _trace(*_gpt(depth, hidden=256, heads=4, ffn=1024, seq=128, vocab=512), stack)
+        folded, _ = _solve_both(step, mesh)
     assert folded.collectives, "a plan with no collective tests nothing here"
 
 
@@ -217,8 +236,8 @@ def test_merging_following_nodes_keeps_the_optimum():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             space = build_strategies(step, mesh, folded=fold_regions(step))
-    merged = solve(space)
-    exact = solve(space, merge=False)
+    merged = solve(space, mip_gap=0.0)
+    exact = solve(space, merge=False, mip_gap=0.0)
     assert merged.stats["merged_nodes"] > 0 and exact.stats["merged_nodes"] == 0
     assert merged.stats["variables"] < exact.stats["variables"]
-    assert merged.objective_s == pytest.approx(exact.objective_s, rel=1e-3)
+    assert merged.objective_s == pytest.approx(exact.objective_s, rel=1e-9)

@@ -2,12 +2,10 @@
 
 32 layers fold into one group, so the solver sees one layer; the plan is Megatron's on one
 axis (column-parallel q/k/v/gate/up, row-parallel o/down) with the batch on the other,
-and the parameter state fits an H100. The issue's target is 30 s end to end on a 2-core
-machine (benchmarks/plan_at_scale.py measures it); the assertion here only guards against
-a return to planning that grows with depth.
+and the parameter state fits an H100. How long it takes is measured by
+benchmarks/plan_at_scale.py, not here.
 """
 
-import time
 import warnings
 
 import pytest
@@ -24,15 +22,13 @@ ROW = ("o_proj", "down_proj")
 def llama3_plan():
     model, inputs, loss_fn, targets = EXAMPLES["llama3-8b"]()
     mesh = autopar.Mesh((8, 8), ("dp", "tp"), device="h100")
-    t0 = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        plan = autopar.plan(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets)
-    return plan, time.perf_counter() - t0
+        return autopar.plan(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets)
 
 
 def test_llama3_8b_layers_fold_into_one_group(llama3_plan):
-    plan, _ = llama3_plan
+    plan = llama3_plan
     (group,) = plan.stats["fold_groups"]
     assert group["instances"] == 32 and group["regions"] == "model.layers.{0..31}"
     assert plan.stats["fold_regions"] == 32
@@ -41,7 +37,7 @@ def test_llama3_8b_layers_fold_into_one_group(llama3_plan):
 
 
 def test_llama3_8b_plan_is_megatron_on_one_axis_and_fits_an_h100(llama3_plan):
-    plan, _ = llama3_plan
+    plan = llama3_plan
     pp = plan.param_placements
     tp = [
         axis
@@ -69,9 +65,3 @@ def test_llama3_8b_plan_is_megatron_on_one_axis_and_fits_an_h100(llama3_plan):
         k: n for (k, a), n in plan.collective_counts().items() if a == plan.mesh.axis_names[tp[0]]
     }
     assert on_tp.get("all_reduce", 0) + on_tp.get("reduce_scatter", 0) >= 2 * 32, on_tp
-
-
-def test_llama3_8b_plans_in_well_under_two_minutes(llama3_plan):
-    plan, wall = llama3_plan
-    assert plan.stats["search_s"] < 60, plan.summary()
-    assert wall < 120

@@ -1,0 +1,168 @@
+"""The solver on small hand-made strategy spaces whose optimum is known.
+
+Two chained matmuls ``y = (x @ w1) @ w2`` with a replicated loss: each matmul may run
+replicated, column-parallel (``R, S(1) -> S(1)``), row-parallel (``S(1), S(0) -> P``) and,
+where the batch allows, data-parallel (``S(0), R -> S(0)``). The optimum is found by brute
+force over every combination (the space is small), priced with the same cost models the
+solver uses, and the solver must find it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+
+import pytest
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from autopar.core import Edge, Mesh, Sink, Strategy, StrategySpace, TensorInput
+from autopar.cost_models import compute_time, get_profile, redistribute_time
+from autopar.passes.solve import STATE_COPIES, SolveError, solve
+
+R, S0, S1, P = Replicate(), Shard(0), Shard(1), Partial()
+MM = torch.ops.aten.mm.default
+F32 = torch.float32
+
+REPLICATED = Strategy(out=((R,),), ins=((R,), (R,)))
+COLUMN = Strategy(out=((S1,),), ins=((R,), (S1,)))
+ROW = Strategy(out=((P,),), ins=((S1,), (S0,)))
+DATA = Strategy(out=((S0,),), ins=((S0,), (R,)))
+
+
+def _space(batch: int, hidden: int, ffn: int, *, data_parallel: bool) -> StrategySpace:
+    mesh = Mesh((2,), ("tp",), device="h100")
+    mm = [REPLICATED, COLUMN, ROW] + ([DATA] if data_parallel else [])
+    stored = [Strategy(out=((p,),), ins=()) for p in (R, S0, S1)]
+    return StrategySpace(
+        mesh=mesh,
+        order=["x", "w1", "w2", "h", "y"],
+        strategies={
+            "x": [s for s in stored if data_parallel or s.out[0] != (S0,)],
+            "w1": stored,
+            "w2": stored,
+            "h": mm,
+            "y": mm,
+        },
+        edges=[Edge("x", 0, "h", 0), Edge("w1", 0, "h", 1), Edge("h", 0, "y", 0)]
+        + [Edge("w2", 0, "y", 1)],
+        sinks=[Sink("y", 0, None, 0)],
+        shapes={
+            "x": [((batch, hidden), F32)],
+            "w1": [((hidden, ffn), F32)],
+            "w2": [((ffn, hidden), F32)],
+            "h": [((batch, ffn), F32)],
+            "y": [((batch, hidden), F32)],
+        },
+        targets={"x": "placeholder", "w1": "placeholder", "w2": "placeholder", "h": MM, "y": MM},
+        roles={"x": "input", "w1": "param", "w2": "param", "h": "forward", "y": "forward"},
+        modules=dict.fromkeys(["x", "w1", "w2", "h", "y"], ""),
+        calls={
+            "h": ((TensorInput(0), TensorInput(1)), {}),
+            "y": ((TensorInput(0), TensorInput(1)), {}),
+        },
+        params={"w1": "w1", "w2": "w2"},
+        inputs=["x"],
+        n_outputs=1,
+    )
+
+
+def _local(shape, ps):
+    out = list(shape)
+    for p in ps:
+        if isinstance(p, Shard):
+            out[p.dim] //= 2
+    return torch.Size(out)
+
+
+def _brute_force(space: StrategySpace) -> list[tuple[float, dict[str, Strategy]]]:
+    """Every feasible combination with its step time, cheapest first."""
+    profile = get_profile("h100")
+    mesh = space.mesh
+    results = []
+    names = space.order
+    for combo in itertools.product(*(space.strategies[n] for n in names)):
+        pick = dict(zip(names, combo))
+        total = 0.0
+        shape, dtype = space.shapes["x"][0]
+        total += math.prod(_local(shape, pick["x"].out[0])) * 4 / profile.mem_bandwidth
+        for n in ("h", "y"):
+            s = pick[n]
+            ins = [space.shapes[src][0][0] for src, _ in space.in_sources[n]]
+            args = tuple(_local(a, ps) for a, ps in zip(ins, s.ins))
+            out = _local(space.shapes[n][0][0], s.out[0])
+            total += compute_time(profile, MM, args, {}, out, F32)
+        feasible = True
+        for e in space.edges:
+            p, q = pick[e.src].out[0], pick[e.dst].ins[e.dst_in]
+            if p == q:
+                continue
+            try:
+                total += redistribute_time(p, q, *space.shapes[e.src][0], mesh, profile)
+            except ValueError:
+                feasible = False
+        p = pick["y"].out[0]
+        total += (
+            redistribute_time(p, (R,), *space.shapes["y"][0], mesh, profile) if p != (R,) else 0
+        )
+        if feasible:
+            results.append((total, pick))
+    return sorted(results, key=lambda r: r[0])
+
+
+def _state_bytes(space, pick) -> int:
+    return sum(
+        STATE_COPIES * math.prod(_local(space.shapes[w][0][0], pick[w].out[0])) * 4
+        for w in ("w1", "w2")
+    )
+
+
+def test_chained_matmuls_pair_column_then_row():
+    # no data parallelism: sharding the weights halves the matmuls, and a column-parallel
+    # matmul feeding a row-parallel one needs one all-reduce where the others need more
+    space = _space(batch=64, hidden=1024, ffn=4096, data_parallel=False)
+    by_pair: dict[tuple, float] = {}
+    for t, p in _brute_force(space):
+        by_pair.setdefault((p["h"], p["y"]), t)
+    (pair, best), (_, second) = sorted(by_pair.items(), key=lambda kv: kv[1])[:2]
+    assert pair == (COLUMN, ROW)
+    assert second > best * 1.02, "the known optimum must win clearly"
+    sol = solve(space, mip_gap=0.0)
+    assert sol.chosen(space, "h") == COLUMN and sol.chosen(space, "y") == ROW
+    assert sol.chosen(space, "w1").out[0] == (S1,) and sol.chosen(space, "w2").out[0] == (S0,)
+    assert sol.objective_s == pytest.approx(best, rel=1e-9)
+    # the one collective: the row-parallel output's partial sums, all-reduced for the loss
+    assert [(c.kind, c.axis) for _, c, _ in sol.collectives] == [("all_reduce", 0)]
+    assert sol.comm_s + sol.compute_s == pytest.approx(sol.objective_s, rel=1e-12)
+
+
+def test_a_memory_budget_forces_the_weights_to_be_sharded():
+    # a large batch: the matmuls are compute bound, and splitting the batch wins
+    space = _space(batch=4096, hidden=1024, ffn=4096, data_parallel=True)
+    ranked = _brute_force(space)
+    free = solve(space, mip_gap=0.0)
+    # without a budget the batch is split and the weights stay whole
+    assert free.chosen(space, "h") == DATA and free.chosen(space, "w1").out[0] == (R,)
+    assert free.objective_s == pytest.approx(ranked[0][0], rel=1e-9)
+    full = _state_bytes(space, {"w1": Strategy(((R,),), ()), "w2": Strategy(((R,),), ())})
+    budget = 0.5 * full  # both weights halved, or no plan
+    tight = solve(space, memory_budget=budget, mip_gap=0.0)
+    pick = {n: tight.chosen(space, n) for n in space.order}
+    assert _state_bytes(space, pick) <= budget
+    assert pick["w1"].out[0] != (R,) and pick["w2"].out[0] != (R,)
+    best_within = min(t for t, p in ranked if _state_bytes(space, p) <= budget)
+    assert tight.objective_s == pytest.approx(best_within, rel=1e-9)
+    assert tight.objective_s > free.objective_s
+
+
+def test_an_impossible_budget_names_the_smallest_feasible_one():
+    space = _space(batch=4096, hidden=1024, ffn=4096, data_parallel=True)
+    least = min(_state_bytes(space, p) for _, p in _brute_force(space))
+    assert least == STATE_COPIES * 2 * (1024 * 4096 // 2) * 4  # both weights halved
+    with pytest.raises(SolveError, match="smallest budget that fits") as e:
+        solve(space, memory_budget=least - 1)
+    (named,) = re.findall(r"\((\d+) bytes\)", str(e.value))
+    assert int(named) == least
+    # and that budget is feasible
+    solve(space, memory_budget=least)

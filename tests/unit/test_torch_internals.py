@@ -1,0 +1,50 @@
+"""The private torch internals autopar leans on are still where it expects them.
+
+Each entry is used where torch has no public way to do the same (the comment at the place
+of use says why). If a torch release moves one, this test says which, by name, instead of a
+plan going silently wrong.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+from torch.distributed.tensor import DTensor, _collective_utils
+from torch.distributed.tensor._ops import single_dim_strategy
+from torch.distributed.tensor._sharding_prop import _expand_single_dim_strategy_to_mesh
+
+
+def test_dtensor_rule_internals_the_planner_calls():
+    prop = DTensor._op_dispatcher.sharding_propagator
+    assert isinstance(prop.op_strategy_funcs, dict) and prop.op_strategy_funcs
+    assert isinstance(prop.op_single_dim_strategy_funcs, dict)
+    # passes/strategies._planning_rules widens this collection and switches off this pricing
+    assert list(inspect.signature(single_dim_strategy._get_unique_placements).parameters) == [
+        "op_schema"
+    ]
+    assert callable(_collective_utils.redistribute_cost)
+    # called positionally as (mesh, op_schema, rule, output meta)
+    assert len(inspect.signature(_expand_single_dim_strategy_to_mesh).parameters) >= 4
+
+
+def test_aot_joint_state_codegen_swaps_for_the_local_graph():
+    model = nn.Linear(4, 4)
+    with contextlib.ExitStack() as stack:
+        jd = aot_export_joint_with_descriptors(stack, model, (torch.randn(2, 4),))
+        # passes/codegen.compile_local_step writes these
+        assert isinstance(jd.graph_module, torch.fx.GraphModule)
+        assert jd._aot_graph_capture.graph_module is jd.graph_module
+        flat_args, tangents = jd._aot_graph_capture.updated_flat_args
+        assert len(jd._aot_state.flat_args) == len(flat_args)
+        assert hasattr(jd._aot_state.fw_metadata, "traced_tangents")
+        assert hasattr(jd._aot_state.fw_metadata, "subclass_tangent_meta")
+
+
+def test_default_store_of_the_process_group():
+    # autopar.api._plan_on_rank0 sends the plan through the default group's store
+    assert callable(dist.distributed_c10d._get_default_store)
