@@ -185,6 +185,9 @@ def _solve_both(step, mesh, *, same_plan=True, **kw):
         assert plain.objective_s <= folded.objective_s * (1 + 1e-9)
         return folded, plain
     assert folded.objective_s == pytest.approx(plain.objective_s, rel=1e-9)
+    # the same choice at every node, not only the same cost
+    chosen = {n: folded.chosen(folded_space, n) for n in folded_space.order}
+    assert chosen == {n: plain.chosen(plain_space, n) for n in plain_space.order}
     return folded, plain
 
 

@@ -130,7 +130,6 @@ def test_chained_matmuls_pair_column_then_row():
     assert second > best * 1.02, "the known optimum must win clearly"
     sol = solve(space, mip_gap=0.0)
     assert sol.chosen(space, "h") == COLUMN and sol.chosen(space, "y") == ROW
-    assert sol.chosen(space, "w1").out[0] == (S1,) and sol.chosen(space, "w2").out[0] == (S0,)
     assert sol.objective_s == pytest.approx(best, rel=1e-9)
     # the one collective: the row-parallel output's partial sums, all-reduced for the loss
     assert [(c.kind, c.axis) for _, c, _ in sol.collectives] == [("all_reduce", 0)]
