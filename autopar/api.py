@@ -61,7 +61,9 @@ def plan_step(
 
 def _search(step: StepGraph, mesh: Mesh, options: PlanOptions, stats: dict | None = None) -> Plan:
     """``PLAN_STAGES`` on ``step``; ``stats``: what earlier stages recorded (the trace's)."""
-    stats = dict(stats) if stats is not None else {"trace_s": step.trace_s}
+    if stats is None:  # traced elsewhere: the trace stage's statistics from the step
+        stats = {"trace_s": step.trace_s, **TRACE.stats(step)}
+    stats = dict(stats)
     state: dict[str, Any] = {"trace": step, "mesh": mesh, "options": options}
     with _gc_paused():
         run_stages(PLAN_STAGES, state, stats, skip=options.skip)
