@@ -162,7 +162,6 @@ def hf_gpt2(layers: int = 2, hidden: int = 64, heads: int = 4, vocab: int = 128,
         attn_pdrop=0.0,
         use_cache=False,
     )
-    cfg._attn_implementation = "eager"
     return GPT2LMHeadModel(cfg)
 
 
@@ -188,7 +187,6 @@ def hf_llama(
         use_cache=False,
         tie_word_embeddings=False,
     )
-    cfg._attn_implementation = "eager"
     return LlamaForCausalLM(cfg)
 
 

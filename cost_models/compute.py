@@ -18,7 +18,8 @@ The model, for an op that runs a kernel::
 
 ``compute_time`` puts the terms together. F comes from ``torch.utils.flop_counter``'s
 formulas (mm, addmm, bmm, baddbmm, convolution, scaled-dot-product attention and their
-backward), called the way ``FlopCounterMode`` calls them; an op without a formula counts one
+backward), called the way ``FlopCounterMode`` calls them, and for autopar's attention op
+(core/ops.py) from ``attention_flops``, the fused kernel's count; an op without a formula counts one
 FLOP per output element (pointwise ops, reductions: both far below the ridge point
 P / W, so F hardly matters for them). B counts the input tensors and the written tensors
 (the outputs, or the mutated arguments of an op that returns nothing) once each; it ignores
@@ -41,16 +42,43 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
+from autopar.core import ops  # noqa: F401 - defines torch.ops.autopar, priced below
+
 from .devices import DeviceProfile
 
-__all__ = ["compute_time", "is_view_op", "op_bytes", "op_flops"]
+__all__ = ["attention_flops", "compute_time", "is_view_op", "op_bytes", "op_flops"]
 
 aten = torch.ops.aten
+
+
+def attention_flops(q_shape, k_shape, v_shape, is_causal: bool, *, backward: bool) -> float:
+    """FLOPs of a fused attention kernel (flash / memory-efficient) on these shapes.
+
+    Forward: 2 B H S T (D + E) (scores Q K^T, then P V). Backward: 2 B H S T (3 D + 2 E): the
+    kernel recomputes the scores, then dV = P^T dO, dP = dO V^T, dQ = dS K, dK = dS^T Q.
+    With ``is_causal`` only the unmasked pairs count (the kernels skip masked blocks): row i
+    of S sees min(T, i + 1) keys (top-left aligned, as torch's causal mask)."""
+    b, h, s, d = q_shape
+    t, e = k_shape[2], v_shape[3]
+    pairs = sum(min(t, i + 1) for i in range(s)) if is_causal else s * t
+    per_pair = 2 * (3 * d + 2 * e) if backward else 2 * (d + e)
+    return float(b * h * pairs * per_pair)
+
+
+def _sdpa_flops(q, k, v, mask, is_causal, scale, out_val=None):
+    return attention_flops(q.shape, k.shape, v.shape, is_causal, backward=False)
+
+
+def _sdpa_backward_flops(grad_out, q, k, v, out, lse, mask, is_causal, scale, out_val=None):
+    return attention_flops(q.shape, k.shape, v.shape, is_causal, backward=True)
+
 
 # FLOP formulas torch's registry lacks for ops a CPU trace contains; same math as the CUDA
 # variants (the registry's sdpa formulas take (query, key, value, ...) / (grad_out, query,
 # key, value, ...), which is how these ops order their arguments too).
 _EXTRA_FLOP_FORMULAS: dict[Any, Any] = {
+    torch.ops.autopar.sdpa: _sdpa_flops,
+    torch.ops.autopar.sdpa_backward: _sdpa_backward_flops,
     aten._scaled_dot_product_flash_attention_for_cpu: flop_registry[
         aten._scaled_dot_product_flash_attention
     ],

@@ -78,6 +78,7 @@ from autopar.core import (
     roles,
 )
 
+from . import rules  # noqa: F401 - registers autopar's own rules with DTensor
 from .fold import FoldedGraph
 from .trace import StepGraph
 
@@ -214,9 +215,16 @@ def _dtensor_rule(node, args_schema, kwargs_schema, dmesh) -> list[OpSpec] | Non
     """The OpSpecs DTensor's sharding rules offer for ``node``; None when it has no rule."""
     prop = DTensor._op_dispatcher.sharding_propagator
     op = node.target
-    schema = OpSchema(op, tuple(args_schema), dict(kwargs_schema))
     single = prop.op_single_dim_strategy_funcs.get(op)
     func = prop.op_strategy_funcs.get(op)
+    # the rule's own schema info, as DTensor's dispatch passes it: without it a rule does not
+    # look inside list arguments (index's indices, cat's tensors)
+    info = (
+        prop.op_to_schema_info_for_single_dim_strategy.get(op)
+        if single is not None
+        else prop.op_to_schema_info.get(op)
+    )
+    schema = OpSchema(op, tuple(args_schema), dict(kwargs_schema), schema_info=info)
     if single is not None:
         outs = _outputs(node)
         out_meta = _tensor_meta(outs[0]) if len(outs) == 1 else [_tensor_meta(v) for v in outs]

@@ -20,6 +20,17 @@ Node meta written here (read by later passes; names in core/roles.py):
     ``autopar_module`` the module path of the original model the node came from
                        (backward nodes inherit their forward node's path), "" at the top.
 
+Attention is traced as the one device-neutral op ``autopar::sdpa`` (core/ops.py), not as the
+ATen op of the tracing machine's device: ``_TargetAttention``, a ``TorchFunctionMode``
+active during the export, replaces each ``F.scaled_dot_product_attention`` call (the
+library default of Hugging Face models) by it. Why not trace under fake CUDA tensors: the
+kernel a CUDA trace records (flash, memory-efficient, cuDNN) depends on dtype, mask and
+hardware, so a plan made on one machine would not match the graph traced where it runs, and
+the CPU meshes of the tests would plan another graph than the GPUs; one node, lowered to
+the device's kernel when it runs, is the same graph everywhere. Calls it cannot express
+stay as they are (and say why in a warning): dropout in attention, a mask that needs a
+gradient (a learned position bias), a grouped-query call without ``enable_gqa``.
+
 A model on the meta device is traced as fake CPU tensors (``_meta_to_fake``); shape
 assertions of the global graph are dropped (``_drop_asserts``: no rank holds global shapes);
 a parameter tied under two names is two graph inputs, recorded in ``StepGraph.alias_of``.
@@ -33,11 +44,14 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+import math
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch._functorch._aot_autograd.descriptors import (
     BufferAOTInput,
@@ -52,10 +66,11 @@ from torch._functorch.aot_autograd import (
     aot_export_joint_with_descriptors,
 )
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.overrides import TorchFunctionMode
 
-from autopar.core import roles
+from autopar.core import ops, roles
 
-__all__ = ["StepGraph", "TraceError", "trace_step"]
+__all__ = ["AttentionNotLoweredWarning", "StepGraph", "TraceError", "trace_step"]
 
 _PREFIX = "model."
 
@@ -126,6 +141,62 @@ class StepGraph:
             args = [a.name if isinstance(a, torch.fx.Node) else repr(a) for a in n.args]
             h.update(f"{n.op}|{n.name}|{n.target}|{shape}|{args}\n".encode())
         return h.hexdigest()[:16]
+
+
+class AttentionNotLoweredWarning(UserWarning):
+    """An attention call stays ATen's op (no sharding rule): the message says why."""
+
+
+def _lower_sdpa(
+    query,
+    key,
+    value,
+    attn_mask=None,
+    dropout_p=0.0,
+    is_causal=False,
+    scale=None,
+    enable_gqa=False,
+):
+    """``autopar::sdpa`` for one ``F.scaled_dot_product_attention`` call, or (None, why)."""
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        return None, "inputs are not [batch, heads, sequence, dim]"
+    if dropout_p != 0.0:
+        return None, f"attention dropout ({dropout_p}) is not planned"
+    heads, kv_heads = query.shape[1], key.shape[1]
+    if heads != kv_heads and not (enable_gqa and heads % kv_heads == 0):
+        return None, f"{heads} query heads over {kv_heads} key/value heads without enable_gqa"
+    if attn_mask is not None:
+        if attn_mask.requires_grad:
+            return None, "its mask needs a gradient (a learned position bias)"
+        if is_causal:
+            return None, "it gives both a mask and is_causal"
+        if attn_mask.dtype == torch.bool:
+            keep = attn_mask
+            attn_mask = torch.zeros(keep.shape, dtype=query.dtype, device=query.device)
+            attn_mask = attn_mask.masked_fill(~keep, float("-inf"))
+        else:
+            attn_mask = attn_mask.to(query.dtype)
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+    out, _lse = ops.sdpa(query, key, value, attn_mask, bool(is_causal), scale)
+    return out, ""
+
+
+class _TargetAttention(TorchFunctionMode):
+    """Trace ``F.scaled_dot_product_attention`` as ``autopar::sdpa`` (module docstring)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            out, why = _lower_sdpa(*args, **kwargs)
+            if out is not None:
+                return out
+            warnings.warn(
+                f"scaled_dot_product_attention stays ATen's op because {why}: it is planned "
+                "replicated",
+                AttentionNotLoweredWarning,
+                stacklevel=2,
+            )
+        return func(*args, **kwargs)
 
 
 def _strip(name: str) -> str:
@@ -247,7 +318,8 @@ def trace_step(
     args = inputs + targets
     t0 = time.perf_counter()
     try:
-        ep = torch.export.export(step, args, strict=False)
+        with _TargetAttention():
+            ep = torch.export.export(step, args, strict=False)
     except Exception as e:  # noqa: BLE001 - rewrap with the module that failed
         where = _failing_module(model, e)
         where_txt = f" in module '{where}'" if where else ""

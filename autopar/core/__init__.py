@@ -9,8 +9,10 @@ Every other layer stands on these (docs/architecture.md):
     ``Solution``, ``Collective``                       what it chose
     ``Plan``, ``NodeChoice``       core/plan.py        the plan, serializable
     ``CompiledStep``               core/compiled.py    what codegen hands the runtime
+    ``autopar::sdpa`` (+ backward) core/ops.py         one attention op on every device
 """
 
+from . import ops
 from .compiled import CompiledStep
 from .mesh import Mesh
 from .placements import (
@@ -61,6 +63,7 @@ __all__ = [
     "is_strided",
     "local_shape",
     "op_name",
+    "ops",
     "parse_placement",
     "parse_placements",
     "placement_str",

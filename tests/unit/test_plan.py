@@ -95,3 +95,23 @@ def test_mesh_ranks_per_node_puts_outer_axes_across_nodes():
     assert axis_link(two_nodes, 0) == inter
     assert axis_link(Mesh((2, 2), ("dp", "tp")), 0) == intra  # 8 H100s per node
     assert Mesh.from_dict(two_nodes.to_dict()) == two_nodes
+
+
+def test_plan_step_on_a_traced_step_records_every_stage():
+    import contextlib
+
+    from autopar.passes.trace import trace_step
+
+    cfg = GPTConfig(layers=1, hidden=32, heads=2, ffn=64, vocab=64, seq=8)
+    tokens = torch.zeros(4, cfg.seq, dtype=torch.long)
+    with contextlib.ExitStack() as stack, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        step = trace_step(
+            GPT(cfg), (tokens,), loss_fn=cross_entropy_loss, example_targets=(tokens,), stack=stack
+        )
+        plan = autopar.plan_step(step, Mesh((2,), ("dp",)))
+    n_nodes = sum(1 for n in step.gm.graph.nodes if n.op != "output")
+    assert plan.stats["nodes"] == n_nodes
+    for stage in ("trace", "fold", "strategies", "solve"):
+        assert f"{stage}_s" in plan.stats, stage
+    assert plan.stats["strategies"] > n_nodes and plan.stats["variables"] > 0
