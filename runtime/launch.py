@@ -3,20 +3,25 @@
 ``run_local(fn, world_size, *args)`` spawns ``world_size`` processes on this machine, each
 initialises ``torch.distributed`` with gloo on 127.0.0.1 at a free port, calls
 ``fn(rank, world_size, *args)``, and sends its return value back; the parent returns the
-list of results in rank order, or raises with the failing rank's traceback.
+list of results in rank order, or raises with the failing rank's traceback (or, for a
+process that died without reporting, its exit code, within ``_POLL_S``).
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import time
 import traceback
+from queue import Empty
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 __all__ = ["free_port", "run_local"]
+
+_POLL_S = 0.5  # how often the parent looks for a process that died without reporting
 
 
 def free_port() -> int:
@@ -54,12 +59,21 @@ def run_local(fn, world_size: int, *args, timeout_s: float = 900.0):
         p.start()
     results: dict[int, object] = {}
     errors: dict[int, str] = {}
+    deadline = time.monotonic() + timeout_s
     try:
-        for _ in range(world_size):
-            rank, ok, value = queue.get(timeout=timeout_s)
+        while len(results) + len(errors) < world_size and not errors:
+            try:
+                rank, ok, value = queue.get(timeout=_POLL_S)
+            except Empty:
+                # a process that died without a word (killed, crashed, failed to start)
+                for r, p in enumerate(procs):
+                    if r not in results and p.exitcode not in (None, 0):
+                        errors[r] = f"process exited with code {p.exitcode} before reporting"
+                if time.monotonic() > deadline:
+                    missing = sorted(set(range(world_size)) - set(results))
+                    errors[missing[0]] = f"no result within {timeout_s:.0f} s"
+                continue
             (results if ok else errors)[rank] = value
-            if errors:
-                break
     finally:
         for p in procs:
             if errors:

@@ -116,3 +116,23 @@ def test_compile_runs_a_saved_plan(tmp_path):
     for loss, ref, used in results:
         assert loss == pytest.approx(ref, rel=1e-5)
         assert used == plan.to_json()
+
+
+def _dies_on_rank_1(rank, world):
+    import os
+    import time
+
+    if rank == 1:
+        os._exit(3)  # no exception, no report: the process is simply gone
+    time.sleep(30)
+    return rank
+
+
+@pytest.mark.distributed
+def test_a_rank_that_dies_without_a_word_is_an_error_at_once():
+    import time
+
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 1 of 2 failed:\nprocess exited with code 3"):
+        run_local(_dies_on_rank_1, 2)
+    assert time.monotonic() - t0 < 25  # not the sleeping rank's 30 s, nor the 900 s timeout
