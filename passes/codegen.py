@@ -16,7 +16,8 @@ How: an ``fx.Interpreter`` runs the global graph on local tensors, node by node,
        dispatch turns global shape arguments (view sizes, expand sizes, factory sizes) into
        local ones, and runs the local kernel. Its output placement is checked against
        ``s.out``; a mismatch is redistributed and counted (``mismatches``);
-    3. ops without a rule, and ops without tensor inputs, run on replicated (whole) tensors.
+    3. ops without a rule, ops without tensor inputs, and ops whose strategy replicates every
+       input and output run as they are, on whole tensors.
 
 At the graph outputs the loss is redistributed to Replicate, each gradient to its
 parameter's placement. Nothing is done when the plan replicates everything (the local graph
@@ -139,7 +140,11 @@ class _Localizer(torch.fx.Interpreter):
             else:
                 new_vals.append(v)
         args, kwargs = spec.unflatten(new_vals)
-        if not in_nodes or node.name in self.plan.fallback_nodes:
+        replicated = all(ps == self.rep for ps, _ in dst_all) and all(
+            ps is None or ps == self.rep for ps in out_ps
+        )
+        if not in_nodes or replicated or node.name in self.plan.fallback_nodes:
+            # whole tensors in, whole tensors out: the op itself, as on one device
             return target(*args, **kwargs)
         return self._run_op(node, target, args, kwargs, in_nodes, dst_all, out_ps)
 

@@ -77,6 +77,13 @@ Simplifications (each loses optimality only in the case it names):
        gradient-overlap term above) the objective rose 3.4% (4.548 -> 4.705 ms) while
        the solve dropped from 115 s to 13 s.
 
+What the solve reports (``solve``, ``read_solution``): ``status`` "optimal" (within the gap);
+"time_limit" when the clock stopped HiGHS with a plan in hand (the incumbent, the best bound
+and the gap go into the stats, and a warning into the plan); no plan at the time limit is a
+``SolveError`` that says to raise ``time_limit_s``; an impossible budget, one that names the
+smallest feasible budget. Every node may replicate everything (passes/strategies), so without
+a budget the ILP always has a solution.
+
 Solved to within ``mip_gap`` (default ``MIP_GAP``, 0.1%) of the optimum with HiGHS through
 OR-Tools' ``pywraplp`` (single thread: deterministic). Ties in the objective are broken
 towards the earlier strategy: x[v,k] costs ``TIE_BREAK_US`` * k / K_v * n_v microseconds more
@@ -359,7 +366,11 @@ class IlpBuilder:
     def _node(self, name: str) -> None:
         strats = self.space.strategies[name]
         if not strats:
-            raise SolveError(f"node {name} has no strategy")
+            sp = self.space
+            raise SolveError(
+                f"node {name} ({sp.targets[name]}, module {sp.modules[name] or '<top level>'}) "
+                "has no strategy: passes/strategies offered none"
+            )
         costs = _node_costs(self.space, name, self.profile)
         self.node_cost[name] = costs
         src = self.merge_source(name)
@@ -550,8 +561,12 @@ def _solved(status: int) -> bool:
     return status in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE)
 
 
-def read_solution(ilp: IlpBuilder, status: int, stats: dict) -> Solution:
-    """The chosen strategies, their compute time, and the collectives of the chosen edges."""
+def read_solution(ilp: IlpBuilder, status: int, stats: dict, time_limit_s: float) -> Solution:
+    """The chosen strategies, their compute time, and the collectives of the chosen edges.
+
+    A solve stopped by the time limit (status FEASIBLE) is said so: ``stats["status"]`` is
+    ``time_limit``, with the incumbent and the best bound, and the solution carries a
+    warning."""
     mesh, profile = ilp.space.mesh, ilp.profile
     choice = ilp.choice()
     rep = ilp.folding.rep
@@ -571,14 +586,27 @@ def read_solution(ilp: IlpBuilder, status: int, stats: dict) -> Solution:
             for label in t.labels:
                 for coll in colls:
                     collectives.append((label, coll, collectives_time([coll], mesh, profile)))
+    warnings = []
+    extra = {}
+    if status != pywraplp.Solver.OPTIMAL:
+        objective = ilp.lp.Objective()
+        incumbent, bound = objective.Value() / _SCALE, objective.BestBound() / _SCALE
+        gap = (incumbent - bound) / incumbent if incumbent > 0 else 0.0
+        extra = {"incumbent": incumbent, "best_bound": bound, "gap": gap}
+        warnings.append(
+            f"the solver stopped at its time limit of {time_limit_s:.0f} s with a plan of "
+            f"{incumbent * 1e3:.4f} ms, at most {gap:.1%} above the best bound "
+            f"({bound * 1e3:.4f} ms): raise time_limit_s for a better plan"
+        )
     stats = {
         "solver": ilp.solver,
-        "status": "optimal" if status == pywraplp.Solver.OPTIMAL else "feasible",
+        "status": "optimal" if status == pywraplp.Solver.OPTIMAL else "time_limit",
         "solver_nodes": len(ilp.folding.reps),
         "merged_nodes": len(ilp.merged),
         "edge_variables": ilp.n_edge_vars,
         "variables": ilp.lp.NumVariables(),
         "constraints": ilp.lp.NumConstraints(),
+        **extra,
         **stats,
     }
     return Solution(
@@ -589,6 +617,7 @@ def read_solution(ilp: IlpBuilder, status: int, stats: dict) -> Solution:
         collectives=collectives,
         node_cost_s={n: ilp.node_cost[rep(n)][k] for n, k in choice.items()},
         stats=stats,
+        warnings=warnings,
     )
 
 
@@ -639,6 +668,13 @@ def solve(
     t0 = time.perf_counter()
     status = _run(ilp, time_limit_s, mip_gap)
     ilp_s = round(time.perf_counter() - t0, 6)
+    if status == pywraplp.Solver.NOT_SOLVED:
+        raise SolveError(
+            f"the solver found no plan within its time limit of {time_limit_s:.0f} s "
+            f"({ilp.lp.NumVariables()} variables, {ilp.lp.NumConstraints()} constraints): "
+            "raise time_limit_s (autopar.plan(..., time_limit_s=...))"
+            + ("" if memory_budget is None else ", or the memory budget")
+        )
     if not _solved(status):
         if memory_budget is not None and status == pywraplp.Solver.INFEASIBLE:
             least = smallest_budget(
@@ -651,11 +687,15 @@ def solve(
                     f"is {least / _MIB:.1f} MiB ({least} bytes); raise the budget to at least "
                     "that, or use a larger mesh"
                 )
-        hint = (
-            f" within the memory budget of {memory_budget / _MIB:.1f} MiB per rank: raise it "
-            "or use a larger mesh"
-            if memory_budget is not None
-            else ": some node has no strategy compatible with its neighbours"
+            raise SolveError(
+                f"no plan fits the memory budget of {memory_budget / _MIB:.1f} MiB per rank, "
+                f"and the solver found none without it within {time_limit_s:.0f} s: raise "
+                "time_limit_s, or the budget"
+            )
+        # NOTE: every node may replicate everything (passes/strategies), so without a budget
+        # the all-replicated plan is always a solution: this is a bug, not the model's fault
+        raise SolveError(
+            f"the sharding ILP has no solution (solver status {status}) although the "
+            "all-replicated plan should be one: please report it with the model"
         )
-        raise SolveError(f"the sharding ILP has no solution (status {status}){hint}")
-    return read_solution(ilp, status, {**ilp.times, "ilp_s": ilp_s})
+    return read_solution(ilp, status, {**ilp.times, "ilp_s": ilp_s}, time_limit_s)

@@ -24,6 +24,9 @@ Where the strategies come from, per node kind:
         (it is what lets attention keep heads sharded through [B, h, S, D] -> [B*h, S, D]);
         offered everywhere it multiplies the strategy space several times over.
     operator with no tensor input (``arange``, ``full``, ...): replicated.
+    every operator: also all-Replicate where its rule does not offer it (the op as on one
+        device), so that the all-replicated plan is always feasible: the ILP never lacks a
+        solution for want of a rule, only for a memory budget.
     operator with no rule: replicated, with a warning that names the op and the module path
         (``fallbacks``); the result is still correct, only slower.
 
@@ -444,7 +447,11 @@ class _SpaceBuilder:
                 strats.append(s)
         strats = list(dict.fromkeys(strats))
         if strats:
-            return strats
+            # NOTE: whole tensors in, whole tensors out is always correct (it is the op on
+            # one device); offered where the rule's list lacks it, so that no choice of the
+            # neighbours leaves a node without a strategy and the ILP without a solution
+            replicated = _replicated(node, len(in_nodes), self.mesh)
+            return strats if replicated in strats else [*strats, replicated]
         where = sp.modules[name] or "<top level>"
         why = "its sharding rule failed: " + err if err else "it has no sharding rule"
         msg = (

@@ -225,7 +225,8 @@ class Plan:
                 "comm_by_kind_s": dict(sorted(by_kind.items())),
             },
             memory={"param_bytes_per_rank": int(per_rank), "param_bytes_total": int(total)},
-            warnings=tuple(space.fallbacks[n] for n in sorted(space.fallbacks)),
+            warnings=tuple(solution.warnings)
+            + tuple(space.fallbacks[n] for n in sorted(space.fallbacks)),
             stats=ordered,
             versions={"autopar": __version__, "torch": torch.__version__.split("+")[0]},
         )

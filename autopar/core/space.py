@@ -205,6 +205,7 @@ class Solution:
         collectives: (edge text, Collective, seconds) for every collective the plan runs.
         node_cost_s: node name -> its compute time under the chosen strategy.
         stats: solver statistics (problem size, status, seconds per phase).
+        warnings: what the user should know of the solve (a time limit reached).
     """
 
     choice: dict[str, int]
@@ -214,6 +215,7 @@ class Solution:
     collectives: list[tuple[str, Collective, float]] = field(default_factory=list)
     node_cost_s: dict[str, float] = field(default_factory=dict)
     stats: dict = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
 
     def chosen(self, space: StrategySpace, name: str) -> Strategy:
         """The strategy node ``name`` takes."""

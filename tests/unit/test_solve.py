@@ -15,8 +15,10 @@ import re
 
 import pytest
 import torch
+from ortools.linear_solver import pywraplp
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+import autopar.passes.solve as solve_pass
 from autopar.core import Edge, Mesh, Sink, Strategy, StrategySpace, TensorInput
 from autopar.cost_models import compute_time, get_profile, redistribute_time
 from autopar.passes.solve import STATE_COPIES, SolveError, solve
@@ -165,3 +167,29 @@ def test_an_impossible_budget_names_the_smallest_feasible_one():
     assert int(named) == least
     # and that budget is feasible
     solve(space, memory_budget=least)
+
+
+def test_a_time_limit_with_a_plan_in_hand_is_reported(monkeypatch):
+
+    space = _space(batch=64, hidden=1024, ffn=4096, data_parallel=False)
+    real_run = solve_pass._run
+
+    def stopped_early(ilp, time_limit_s, mip_gap):
+        real_run(ilp, time_limit_s, mip_gap)
+        return pywraplp.Solver.FEASIBLE  # what HiGHS says when the clock stops it
+
+    monkeypatch.setattr(solve_pass, "_run", stopped_early)
+    sol = solve(space, time_limit_s=7)
+    assert sol.stats["status"] == "time_limit"
+    assert sol.stats["best_bound"] <= sol.stats["incumbent"] + 1e-12
+    (warning,) = sol.warnings
+    assert "time limit of 7 s" in warning and "raise time_limit_s" in warning
+
+
+def test_no_plan_within_the_time_limit_is_an_error_that_says_so(monkeypatch):
+
+    space = _space(batch=8, hidden=1024, ffn=4096, data_parallel=True)
+    monkeypatch.setattr(solve_pass, "_run", lambda *a: pywraplp.Solver.NOT_SOLVED)
+    with pytest.raises(SolveError, match="no plan within its time limit of 3 s") as e:
+        solve(space, time_limit_s=3, memory_budget=1e12)
+    assert "raise time_limit_s" in str(e.value) and "memory" not in str(e.value).split(":")[0]

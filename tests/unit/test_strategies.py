@@ -85,3 +85,19 @@ def test_cross_entropy_backward_shards_the_batch():
     assert not [w for w in caught if "nll_loss_backward" in str(w.message)]
     outs = {s.out[0] for s in space.strategies[name]}
     assert (Shard(0), Shard(0)) in outs or (Shard(0), Replicate()) in outs, outs
+
+
+def test_every_node_may_replicate_so_the_ilp_always_has_a_plan():
+    cfg = GPTConfig(layers=1, hidden=64, heads=4, ffn=96, vocab=100, seq=12)
+    tokens, targets = lm_batch(cfg.vocab, 8, cfg.seq)
+    _, space, _ = _space(
+        GPT(cfg), (tokens,), cross_entropy_loss, (targets,), Mesh((2, 2), ("dp", "tp"))
+    )
+    rep = (Replicate(), Replicate())
+    for name, strats in space.strategies.items():
+        if space.roles[name] == "tangent":
+            continue
+        assert any(
+            all(o is None or o == rep for o in s.out) and all(i == rep for i in s.ins)
+            for s in strats
+        ), (name, [s.text() for s in strats])
