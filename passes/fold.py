@@ -247,6 +247,7 @@ def fold_regions(step: StepGraph) -> FoldedGraph:
     free: set[str] = set()
     pi = bi = 0
     param_node: dict[str, str] = {}
+    buffer_node: dict[str, str] = {}
     for n in nodes:
         role = n.meta.get(roles.META_ROLE, "")
         if n.op == "placeholder":
@@ -255,6 +256,7 @@ def fold_regions(step: StepGraph) -> FoldedGraph:
                 region[n.name] = region_of_path(step.param_names[pi])
                 pi += 1
             elif role == roles.BUFFER:
+                buffer_node[step.buffer_names[bi]] = n.name
                 region[n.name] = region_of_path(step.buffer_names[bi])
                 bi += 1
             else:
@@ -266,11 +268,16 @@ def fold_regions(step: StepGraph) -> FoldedGraph:
             free.add(n.name)
     _attach_unattributed(nodes, region, free)
 
-    # which graph outputs a node feeds: a gradient (of which parameter) or a plain output
+    # which graph outputs a node feeds: a gradient (of which parameter), a buffer's new
+    # value (of which buffer) or a plain output
     out_kind: dict[str, list] = defaultdict(list)
     for pos, a in enumerate(cast(Sequence, step.output_node().args[0])):
         if isinstance(a, torch.fx.Node):
-            like = param_node.get(step.grad_of[pos]) if pos in step.grad_of else None
+            like = None
+            if pos in step.grad_of:
+                like = param_node.get(step.grad_of[pos])
+            elif pos in step.mutated_buffers:
+                like = buffer_node.get(step.mutated_buffers[pos])
             out_kind[a.name].append(like)
 
     members: dict[str, list[torch.fx.Node]] = defaultdict(list)

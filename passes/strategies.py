@@ -41,7 +41,8 @@ Folded regions (passes/fold): the rules run once per representative; its instanc
 the list (``StrategySpace.rep`` maps each instance to its representative).
 
 Graph outputs (``Sink``): the loss must be ``Replicate`` (every rank returns the same loss);
-the gradient of a parameter must have the parameter's placement; a model output (no loss)
+the gradient of a parameter must have the parameter's placement, and the new value of a
+buffer updated in place the buffer's; a model output (no loss)
 must have the placement of the first input (the local batch in, the local batch out).
 """
 
@@ -331,6 +332,7 @@ class _SpaceBuilder:
         )
         self.first_input: str | None = None
         self.param_nodes: dict[str, str] = {}
+        self.buffer_nodes: dict[str, str] = {}
 
     # -- graph inputs --------------------------------------------------------------------
 
@@ -345,7 +347,8 @@ class _SpaceBuilder:
             pname = self.step.param_names[len(sp.params)]
             sp.params[pname] = self.param_nodes[pname] = name
         elif role == roles.BUFFER:
-            sp.buffers[self.step.buffer_names[len(sp.buffers)]] = name
+            bname = self.step.buffer_names[len(sp.buffers)]
+            sp.buffers[bname] = self.buffer_nodes[bname] = name
         elif role in roles.BATCH_ROLES:
             sp.inputs.append(name)
         if role == roles.TANGENT and self.step.has_loss:
@@ -479,6 +482,9 @@ class _SpaceBuilder:
                 continue
             if pos in step.grad_of:
                 sp.sinks.append(Sink(a.name, 0, self.param_nodes[step.grad_of[pos]], pos))
+            elif pos in step.mutated_buffers:
+                # a buffer's new value goes back into the buffer: its placement
+                sp.sinks.append(Sink(a.name, 0, self.buffer_nodes[step.mutated_buffers[pos]], pos))
             elif step.has_loss:
                 sp.sinks.append(Sink(a.name, 0, None, pos))
             else:

@@ -14,6 +14,10 @@ loss, then ``aot_export_joint_with_descriptors`` on the exported module. The des
 placeholders and outputs (``ParamAOTInput``, ``PlainAOTInput``, ``TangentAOTInput``,
 ``GradAOTOutput``) give every graph input and output its role.
 
+Buffers the forward updates in place (BatchNorm's running statistics) are graph outputs
+too (their new values, ``StepGraph.mutated_buffers``); the compiled step writes them back
+into the buffers, as eager PyTorch does.
+
 Node meta written here (read by later passes; names in core/roles.py):
     ``autopar_role``   "param" | "buffer" | "input" | "target" | "tangent" for placeholders,
                        "forward" | "backward" for operators.
@@ -56,6 +60,7 @@ from torch import nn
 from torch._functorch._aot_autograd.descriptors import (
     BufferAOTInput,
     GradAOTOutput,
+    InputMutationAOTOutput,
     ParamAOTInput,
     PlainAOTInput,
     PlainAOTOutput,
@@ -109,6 +114,8 @@ class StepGraph:
         has_loss: the step returns a scalar loss (else the model outputs).
         n_outputs: how many plain (non-gradient) outputs the step returns.
         grad_of: output position -> parameter name whose gradient it is.
+        mutated_buffers: output position -> name of the buffer whose new value it is (a
+            buffer the forward updates in place: BatchNorm's running statistics).
         alias_of: for a tied parameter (one tensor under several names), each later name
             -> the first name; both are graph inputs, and must be placed alike.
         trace_s: seconds spent tracing.
@@ -123,6 +130,7 @@ class StepGraph:
     has_loss: bool
     n_outputs: int
     grad_of: dict[int, str] = field(default_factory=dict)
+    mutated_buffers: dict[int, str] = field(default_factory=dict)
     alias_of: dict[str, str] = field(default_factory=dict)
     trace_s: float = 0.0
 
@@ -374,14 +382,23 @@ def trace_step(
 
     out = next(iter(gm.graph.find_nodes(op="output")))
     grad_of: dict[int, str] = {}
-    n_outputs = 0
+    mutated: dict[int, str] = {}
+    plain: list[int] = []
     for i, desc in enumerate(out.meta.get("desc", [])):
         if isinstance(desc, GradAOTOutput) and isinstance(desc.grad_of, ParamAOTInput):
             grad_of[i] = _strip(desc.grad_of.target)
         elif isinstance(desc, PlainAOTOutput):
-            n_outputs += 1
+            plain.append(i)
+        elif isinstance(desc, InputMutationAOTOutput):
+            if not isinstance(desc.mutated_input, BufferAOTInput):
+                raise TraceError(
+                    f"{type(model).__name__} changes {desc.mutated_input} in place in its "
+                    "forward; autopar plans in-place updates of buffers only (BatchNorm's "
+                    "running statistics): update a buffer, or return the new value"
+                )
+            mutated[i] = _strip(desc.mutated_input.target)
     if loss_fn is not None:
-        val = out.args[0][0].meta.get("val") if out.args[0] else None
+        val = out.args[0][plain[0]].meta.get("val") if plain else None
         if not isinstance(val, torch.Tensor) or val.numel() != 1:
             raise TraceError(
                 f"loss_fn must return a scalar tensor, got "
@@ -395,8 +412,9 @@ def trace_step(
         n_inputs=len(inputs),
         n_targets=len(targets),
         has_loss=loss_fn is not None,
-        n_outputs=n_outputs,
+        n_outputs=len(plain),
         grad_of=grad_of,
+        mutated_buffers=mutated,
         alias_of=alias_of,
         trace_s=trace_s,
     )

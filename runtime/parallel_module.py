@@ -29,7 +29,9 @@ class ParallelModule(nn.Module):
 
     ``parameters()`` yields the local shards, ``named_parameters()`` names them like the
     original model with ``.`` written ``__`` (a tied parameter once, under its first name).
-    ``gather_grads()`` and ``state_dict()`` return full tensors keyed by the original names.
+    ``gather_grads()`` and ``state_dict()`` return full tensors keyed by the original names
+    (buffers too: a buffer the forward updates, such as BatchNorm's running statistics, holds
+    its new value after each step, as in the model).
     """
 
     def __init__(
@@ -55,6 +57,8 @@ class ParallelModule(nn.Module):
         self._placements = placements = plan.param_placements
         named = dict(model.named_parameters(remove_duplicate=False))
         named_buffers = dict(model.named_buffers(remove_duplicate=False))
+        # the model's own state_dict keys, in its order (persistent buffers only)
+        self._state_keys = list(model.state_dict(keep_vars=True))
         self._alias_of = dict(compiled.alias_of)
         for name in self._param_names:
             full = named[name].detach()
@@ -63,9 +67,11 @@ class ParallelModule(nn.Module):
                 continue  # a tied parameter: the first name's shard serves both
             local = distribute_tensor(full, device_mesh, placements[name], src_data_rank=None)
             self.register_parameter(_key(name), nn.Parameter(local.to_local().clone()))
+        self._buffer_placements = plan.buffer_placements
         for name in self._buffer_names:
-            ps = plan.placements_of(plan.buffers[name])
+            ps = self._buffer_placements[name]
             full = named_buffers[name].detach()
+            self._global_shapes[name] = full.shape
             local = distribute_tensor(full, device_mesh, ps, src_data_rank=None)
             self.register_buffer(_key(name), local.to_local().clone())
         self._input_placements = plan.input_placements
@@ -111,12 +117,12 @@ class ParallelModule(nn.Module):
 
     # -- full tensors --------------------------------------------------------------------
 
-    def _full(self, name: str, local: torch.Tensor) -> torch.Tensor:
+    def _full(self, name: str, local: torch.Tensor, placements=None) -> torch.Tensor:
         shape = self._global_shapes[name]
         d = DTensor.from_local(
             local,
             self.device_mesh,
-            self._placements[name],
+            self._placements[name] if placements is None else placements,
             run_check=False,
             shape=shape,
             stride=contiguous_stride(shape),
@@ -134,12 +140,15 @@ class ParallelModule(nn.Module):
     # NOTE: full tensors keyed by the model's names, not nn.Module's local-state protocol
     # (prefix, destination, keep_vars), hence the narrower signature.
     def state_dict(self, *args, **kwargs) -> OrderedDict:  # type: ignore[override]
-        """Full parameters (and buffers) keyed by the original model's names."""
+        """Full parameters and persistent buffers: the model's ``state_dict`` keys, in its
+        order (a tied parameter under each of its names)."""
         out = OrderedDict()
-        for name in self._param_names:
-            out[name] = self._full(name, self._shard(name).detach())
-        for name in self._buffer_names:
-            out[name] = getattr(self, _key(name)).detach().clone()
+        for name in self._state_keys:
+            if name in self._buffer_placements:
+                local = getattr(self, _key(name)).detach()
+                out[name] = self._full(name, local, self._buffer_placements[name]).clone()
+            else:
+                out[name] = self._full(name, self._shard(name).detach())
         return out
 
     def collective_counts(self) -> dict[tuple[str, str], int]:

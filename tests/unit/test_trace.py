@@ -82,3 +82,43 @@ def test_missing_example_inputs_is_a_clear_error(inputs):
 def test_non_scalar_loss_is_a_clear_error():
     with pytest.raises(TraceError, match="loss_fn must return a scalar"):
         _trace(MLP(), (torch.randn(2, 16),), lambda y, t: y - t, (torch.randn(2, 8),))
+
+
+class _BatchNormNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.bn = nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        return self.bn(self.conv(x)).mean((1, 2, 3))
+
+
+def test_buffers_updated_in_forward_are_outputs_and_the_loss_is_the_loss():
+    x, y = torch.randn(2, 3, 6, 6), torch.randn(2)
+    step = _trace(_BatchNormNet(), (x,), mse_loss, (y,))
+    assert sorted(step.mutated_buffers.values()) == [
+        "bn.num_batches_tracked",
+        "bn.running_mean",
+        "bn.running_var",
+    ]
+    assert step.n_outputs == 1  # the loss, not a running statistic
+    outputs = step.output_node().args[0]
+    plain = [i for i in range(len(outputs)) if i not in step.grad_of]
+    plain = [i for i in plain if i not in step.mutated_buffers and outputs[i] is not None]
+    assert [tuple(outputs[i].meta["val"].shape) for i in plain] == [()]
+
+
+class _ParamUpdater(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(4), requires_grad=False)
+
+    def forward(self, x):
+        self.w.add_(1.0)
+        return x * self.w
+
+
+def test_a_parameter_updated_in_place_is_a_clear_error():
+    with pytest.raises(TraceError, match="in place"):
+        _trace(_ParamUpdater(), (torch.randn(2, 4),), mse_loss, (torch.randn(2, 4),))
