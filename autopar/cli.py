@@ -1,7 +1,7 @@
 """The ``autopar`` command: a thin layer over the Python API.
 
 autopar plan MODEL --mesh 2x2 [--axes dp,tp] [--device h100] [--batch 8] [--out plan.json]
-    MODEL is a built-in example (mlp, gpt, hf-gpt2, hf-llama) or path/to/file.py:factory,
+    MODEL is a built-in example (autopar.models.EXAMPLES) or path/to/file.py:factory,
     where factory(batch=...) returns (model, example_inputs, loss_fn, example_targets).
     Plans on the meta device (no weights) and prints the plan's table.
 

@@ -106,14 +106,20 @@ def verify_rank(
     plan_json: str | None = None,
     batch: int = 8,
     memory_fraction: float | None = None,
+    ref_dtype: str | None = None,
 ) -> VerifyReport:
+    """``ref_dtype``: the single-device model runs in this dtype (a float32 control for a
+    bf16 run); default ``dtype``."""
     dt = getattr(torch, dtype)
     torch.manual_seed(0)
     model, inputs, loss_fn, targets = resolve_example(example)(batch=batch)
+    ref_dt = getattr(torch, ref_dtype or dtype)
+    ref = copy.deepcopy(model).to(ref_dt)
+    ref_inputs = tuple(_cast(t, ref_dt) for t in inputs)
+    ref_targets = tuple(_cast(t, ref_dt) for t in targets)
     model = model.to(dt)
     inputs = tuple(_cast(t, dt) for t in inputs)
     targets = tuple(_cast(t, dt) for t in targets)
-    ref = copy.deepcopy(model)
 
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=axis_names)
     plan = Plan.from_json(plan_json) if plan_json else None
@@ -144,18 +150,23 @@ def verify_rank(
         ref_opt.zero_grad()
         loss = pm(*local)
         loss.backward()
-        ref_loss = loss_fn(ref(*inputs), *targets)
+        ref_loss = loss_fn(ref(*ref_inputs), *ref_targets)
         ref_loss.backward()
         losses.append(loss.item())
         ref_losses.append(ref_loss.item())
         if i == 0:
             grads = pm.gather_grads()
             want = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
-            grad_err, worst_grad = _rel_errors(grads, want)
+            grad_err, worst_grad = _rel_errors(
+                {n: None if g is None else g.to(ref_dt) for n, g in grads.items()}, want
+            )
         opt.step()
         ref_opt.step()
     full = pm.state_dict()
-    param_err, worst_param = _rel_errors(full, {n: p.detach() for n, p in ref.named_parameters()})
+    param_err, worst_param = _rel_errors(
+        {n: t.to(ref_dt) for n, t in full.items()},
+        {n: p.detach() for n, p in ref.named_parameters()},
+    )
     dist.barrier()
     return VerifyReport(
         losses=losses,
@@ -182,7 +193,7 @@ def verify(example: str, mesh_shape, axis_names, **kwargs) -> list[VerifyReport]
 
 
 def _args(kwargs):
-    order = ["steps", "dtype", "lr", "plan_json", "batch", "memory_fraction"]
+    order = ["steps", "dtype", "lr", "plan_json", "batch", "memory_fraction", "ref_dtype"]
     defaults = {
         "steps": 3,
         "dtype": "float64",
@@ -190,5 +201,6 @@ def _args(kwargs):
         "plan_json": None,
         "batch": 8,
         "memory_fraction": None,
+        "ref_dtype": None,
     }
     return [kwargs.get(k, defaults[k]) for k in order]

@@ -17,7 +17,8 @@ How: an ``fx.Interpreter`` runs the global graph on local tensors, node by node,
        local ones, and runs the local kernel. Its output placement is checked against
        ``s.out``; a mismatch is redistributed and counted (``mismatches``);
     3. ops without a rule, ops without tensor inputs, and ops whose strategy replicates every
-       input and output run as they are, on whole tensors.
+       input and output run as they are, on whole tensors; ``new_zeros`` and its kind (a
+       tensor of a given size) are made at their planned local size.
 
 At the graph outputs the loss is redistributed to Replicate, each gradient to its
 parameter's placement. Nothing is done when the plan replicates everything (the local graph
@@ -71,6 +72,11 @@ class LocalStep:
 
     gm: torch.fx.GraphModule
     mismatches: list[str] = field(default_factory=list)
+
+
+_aten = torch.ops.aten
+# factories that take their dtype and device from a tensor and their size from an argument
+_NEW_FACTORIES = {_aten.new_zeros, _aten.new_ones, _aten.new_empty, _aten.new_full}
 
 
 def _spec(dmesh, placements, val) -> DTensorSpec:
@@ -146,6 +152,11 @@ class _Localizer(torch.fx.Interpreter):
         if not in_nodes or replicated or node.name in self.plan.fallback_nodes:
             # whole tensors in, whole tensors out: the op itself, as on one device
             return target(*args, **kwargs)
+        if getattr(target, "overloadpacket", None) in _NEW_FACTORIES and out_ps[0] is not None:
+            # a new tensor of a given size: made at its planned local size, whatever the
+            # placement of the tensor it takes its dtype and device from
+            size = local_shape(tuple(node.meta["val"].shape), out_ps[0], self.dmesh.shape)
+            return target(args[0], list(size), *args[2:], **kwargs)
         return self._run_op(node, target, args, kwargs, in_nodes, dst_all, out_ps)
 
     def _run_op(self, node, target, args, kwargs, in_nodes, dst_all, out_ps):

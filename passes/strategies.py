@@ -459,7 +459,7 @@ class _SpaceBuilder:
         why = "its sharding rule failed: " + err if err else "it has no sharding rule"
         msg = (
             f"{node.target} ({where}, node {name}): {why}; replicated on every mesh axis. "
-            "Add a rule in passes/strategies.py to shard it."
+            "Add a rule in passes/rules.py (register_sharding) to shard it."
         )
         sp.fallbacks[name] = self.fallback_of[key] = msg
         warnings.warn(msg, NoRuleWarning, stacklevel=4)
@@ -499,6 +499,7 @@ def build_strategies(
     With ``folded`` (passes/fold), the instances of a folded region take the strategy list
     of the first of them met in graph order: DTensor's rules run once per representative.
     """
+    rules.register_library_rules()
     rep = folded.rep if folded is not None else {}
     b = _SpaceBuilder(step, mesh, dmesh if dmesh is not None else planning_device_mesh(mesh), rep)
     sp = b.space
@@ -517,6 +518,7 @@ def build_strategies(
             raise ValueError(f"unexpected node {node.format_node()} in the step graph")
     b.graph_outputs()
     sp.rep = {n: r for n, r in rep.items() if n != r}
+    sp.notes = list(step.notes)
     return sp
 
 

@@ -32,8 +32,13 @@ kernel a CUDA trace records (flash, memory-efficient, cuDNN) depends on dtype, m
 hardware, so a plan made on one machine would not match the graph traced where it runs, and
 the CPU meshes of the tests would plan another graph than the GPUs; one node, lowered to
 the device's kernel when it runs, is the same graph everywhere. Calls it cannot express
-stay as they are (and say why in a warning): dropout in attention, a mask that needs a
-gradient (a learned position bias), a grouped-query call without ``enable_gqa``.
+stay torch's (and say why in a warning): dropout in attention, a mask that needs a gradient
+(T5's learned position bias), a grouped-query call without ``enable_gqa``; torch then
+traces them as its math attention (matmuls, softmax), which is planned op by op.
+
+Ops without a sharding rule that torch can decompose are decomposed while the joint graph is
+built (``rules.decompositions_without_rules``: ``mse_loss``, ``floor_divide``, ...), so the
+graph holds ops the planner can shard.
 
 A model on the meta device is traced as fake CPU tensors (``_meta_to_fake``); shape
 assertions of the global graph are dropped (``_drop_asserts``: no rank holds global shapes);
@@ -74,6 +79,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.overrides import TorchFunctionMode
 
 from autopar.core import ops, roles
+
+from . import rules
 
 __all__ = ["AttentionNotLoweredWarning", "StepGraph", "TraceError", "trace_step"]
 
@@ -116,6 +123,8 @@ class StepGraph:
         grad_of: output position -> parameter name whose gradient it is.
         mutated_buffers: output position -> name of the buffer whose new value it is (a
             buffer the forward updates in place: BatchNorm's running statistics).
+        notes: what the user should know of the trace (attention left as torch's, and why);
+            they reach ``plan.warnings``.
         alias_of: for a tied parameter (one tensor under several names), each later name
             -> the first name; both are graph inputs, and must be placed alike.
         trace_s: seconds spent tracing.
@@ -131,6 +140,7 @@ class StepGraph:
     n_outputs: int
     grad_of: dict[int, str] = field(default_factory=dict)
     mutated_buffers: dict[int, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
     alias_of: dict[str, str] = field(default_factory=dict)
     trace_s: float = 0.0
 
@@ -149,6 +159,11 @@ class StepGraph:
             args = [a.name if isinstance(a, torch.fx.Node) else repr(a) for a in n.args]
             h.update(f"{n.op}|{n.name}|{n.target}|{shape}|{args}\n".encode())
         return h.hexdigest()[:16]
+
+
+def _decompositions() -> dict:
+    rules.register_library_rules()  # a library imported since may have brought ops we rule
+    return rules.decompositions_without_rules()
 
 
 class AttentionNotLoweredWarning(UserWarning):
@@ -190,7 +205,13 @@ def _lower_sdpa(
 
 
 class _TargetAttention(TorchFunctionMode):
-    """Trace ``F.scaled_dot_product_attention`` as ``autopar::sdpa`` (module docstring)."""
+    """Trace ``F.scaled_dot_product_attention`` as ``autopar::sdpa`` (module docstring).
+
+    ``notes``: one line for each reason a call was left as torch's."""
+
+    def __init__(self):
+        super().__init__()
+        self.notes: list[str] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -198,12 +219,13 @@ class _TargetAttention(TorchFunctionMode):
             out, why = _lower_sdpa(*args, **kwargs)
             if out is not None:
                 return out
-            warnings.warn(
-                f"scaled_dot_product_attention stays ATen's op because {why}: it is planned "
-                "replicated",
-                AttentionNotLoweredWarning,
-                stacklevel=2,
+            note = (
+                f"scaled_dot_product_attention is traced as torch's own attention, not as "
+                f"autopar::sdpa, because {why}: its ops are planned one by one"
             )
+            if note not in self.notes:
+                self.notes.append(note)
+                warnings.warn(note, AttentionNotLoweredWarning, stacklevel=2)
         return func(*args, **kwargs)
 
 
@@ -325,8 +347,9 @@ def trace_step(
     step = _Step(model, loss_fn, len(inputs))
     args = inputs + targets
     t0 = time.perf_counter()
+    attention = _TargetAttention()
     try:
-        with _TargetAttention():
+        with attention:
             ep = torch.export.export(step, args, strict=False)
     except Exception as e:  # noqa: BLE001 - rewrap with the module that failed
         where = _failing_module(model, e)
@@ -339,7 +362,11 @@ def trace_step(
         ) from e
     try:
         joint = aot_export_joint_with_descriptors(
-            stack, ep.module(), args, _record_nn_module_stack=True
+            stack,
+            ep.module(),
+            args,
+            decompositions=_decompositions(),
+            _record_nn_module_stack=True,
         )
     except Exception as e:  # noqa: BLE001
         raise TraceError(
@@ -415,6 +442,7 @@ def trace_step(
         n_outputs=len(plain),
         grad_of=grad_of,
         mutated_buffers=mutated,
+        notes=list(attention.notes),
         alias_of=alias_of,
         trace_s=trace_s,
     )

@@ -226,6 +226,7 @@ class Plan:
             },
             memory={"param_bytes_per_rank": int(per_rank), "param_bytes_total": int(total)},
             warnings=tuple(solution.warnings)
+            + tuple(space.notes)
             + tuple(space.fallbacks[n] for n in sorted(space.fallbacks)),
             stats=ordered,
             versions={"autopar": __version__, "torch": torch.__version__.split("+")[0]},

@@ -124,6 +124,7 @@ class StrategySpace:
         inputs: placeholders of the user inputs, then the targets.
         n_outputs: how many outputs the graph returns (tensors or not).
         has_loss: the step returns a scalar loss (else the model outputs).
+        notes: what the trace left for the user to know (they reach ``plan.warnings``).
     """
 
     mesh: Mesh
@@ -145,6 +146,7 @@ class StrategySpace:
     inputs: list[str] = field(default_factory=list)
     n_outputs: int = 0
     has_loss: bool = True
+    notes: list[str] = field(default_factory=list)
 
     @functools.cached_property
     def in_sources(self) -> dict[str, list[tuple[str, int]]]:

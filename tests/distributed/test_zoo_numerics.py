@@ -3,7 +3,8 @@
 Every case plans with folding on (the default: the transformers' layers share one set of
 choices) and with a parameter-memory budget below the whole model, so the plan must
 shard: the collectives it inserts are exercised. Each case checks the loss of every step,
-every gathered gradient of the first step, and every parameter after 3 AdamW steps.
+every gathered gradient of the first step, and every parameter after 3 AdamW steps, and
+that no op was replicated for want of a rule.
 ``gpt-tied`` ties its LM head to its token embedding: two names, one weight, whose gradient
 sums both uses. The Hugging Face models are built as users build them, with the library's
 default attention (SDPA, traced as autopar's attention op) and no setting changed.
@@ -14,24 +15,61 @@ import pytest
 from autopar import Plan
 from autopar.verify import verify
 
-CASES = [
-    # (example, mesh, axes, dtype, memory fraction)
-    ("mlp", (2,), ("dp",), "float64", 0.6),
-    ("gpt", (2,), ("dp",), "float64", 0.6),
-    ("gpt", (4,), ("dp",), "float64", 0.3),
-    ("gpt", (2, 2), ("dp", "tp"), "float64", 0.5),
-    ("gpt-tied", (2, 2), ("dp", "tp"), "float64", 0.5),
-    ("hf-gpt2", (2,), ("dp",), "float64", 0.6),
-    ("hf-gpt2", (2, 2), ("dp", "tp"), "float64", 0.5),
-    ("hf-llama", (2,), ("dp",), "float64", 0.6),
-    ("hf-llama", (4,), ("dp",), "float64", 0.3),
-    ("hf-llama", (2, 2), ("dp", "tp"), "float64", 0.5),
-    ("mlp", (4,), ("dp",), "float64", 0.3),
-    ("mlp", (2, 2), ("dp", "tp"), "float64", 0.5),
-    ("hf-gpt2", (4,), ("dp",), "float64", 0.3),
-]
+F64 = (1e-8, 1e-8, 1e-8)  # (loss, gradients, parameters after 3 AdamW steps), relative
+# NOTE: Gemma2's RMSNorm computes in float32 whatever the model's dtype: float64 is float32
+# there, and the split batch rounds otherwise.
+GEMMA2 = (1e-6, 1e-6, 1e-6)
+# NOTE: the MoE families run in float32: torch's grouped matmul, which the single-device
+# model calls on the CPU, has no float64 kernel. AdamW divides by the root of the second
+# moment, so float32 noise in a gradient that is zero in exact arithmetic (a key bias, to
+# which softmax is invariant) moves that parameter by up to lr: parameters get 1e-3.
+F32 = (1e-5, 1e-5, 1e-3)
+# NOTE: bf16 against a float32 control: 8 bits of mantissa; AdamW's first steps move each
+# weight by about lr, which bf16 rounds per weight, so the parameters are checked loosely
+# and the loss and gradients are the check.
+BF16 = (2e-2, 3e-2, 2e-1)
 
-TOL = {"float64": 1e-8, "float32": 1e-4}
+CASES = [
+    # (example, mesh, axes, dtype, memory fraction, tolerances, reference dtype)
+    ("mlp", (2,), ("dp",), "float64", 0.6, F64, None),
+    ("mlp", (4,), ("dp",), "float64", 0.3, F64, None),
+    ("mlp", (2, 2), ("dp", "tp"), "float64", 0.5, F64, None),
+    ("gpt", (2,), ("dp",), "float64", 0.6, F64, None),
+    ("gpt", (4,), ("dp",), "float64", 0.3, F64, None),
+    ("gpt", (2, 2), ("dp", "tp"), "float64", 0.5, F64, None),
+    ("gpt-tied", (2, 2), ("dp", "tp"), "float64", 0.5, F64, None),
+    ("hf-gpt2", (2,), ("dp",), "float64", 0.6, F64, None),
+    ("hf-gpt2", (4,), ("dp",), "float64", 0.3, F64, None),
+    ("hf-gpt2", (2, 2), ("dp", "tp"), "float64", 0.5, F64, None),
+    ("hf-llama", (2,), ("dp",), "float64", 0.6, F64, None),
+    ("hf-llama", (4,), ("dp",), "float64", 0.3, F64, None),
+    ("hf-llama", (2, 2), ("dp", "tp"), "float64", 0.5, F64, None),
+    # one model per family, as users build them (the library's defaults)
+    ("qwen2", (2,), ("dp",), "float64", 0.6, F64, None),
+    ("qwen2", (2, 2), ("dp", "tp"), "float64", 0.5, F64, None),
+    ("mistral", (2,), ("dp",), "float64", 0.6, F64, None),
+    ("mistral", (2, 2), ("dp", "tp"), "float64", 0.5, F64, None),
+    ("gemma2", (2,), ("dp",), "float64", 0.6, GEMMA2, None),
+    ("gemma2", (2, 2), ("dp", "tp"), "float64", 0.5, GEMMA2, None),
+    ("mixtral", (2,), ("dp",), "float32", 0.6, F32, None),
+    ("mixtral", (2, 2), ("dp", "tp"), "float32", 0.5, F32, None),
+    ("qwen2-moe", (2,), ("dp",), "float32", 0.6, F32, None),
+    ("qwen2-moe", (2, 2), ("dp", "tp"), "float32", 0.5, F32, None),
+    ("bert", (2,), ("dp",), "float64", 0.6, F64, None),
+    ("bert", (2, 2), ("dp", "tp"), "float64", 0.5, F64, None),
+    ("t5", (2,), ("dp",), "float64", 0.6, F64, None),
+    ("t5", (2, 2), ("dp", "tp"), "float64", 0.5, F64, None),
+    ("vit", (2,), ("dp",), "float64", 0.6, F64, None),
+    ("vit", (2, 2), ("dp", "tp"), "float64", 0.5, F64, None),
+    ("resnet", (2,), ("dp",), "float64", 0.6, F64, None),
+    ("resnet", (2, 2), ("dp", "tp"), "float64", 0.5, F64, None),
+    # NOTE: no budget for the LSTM: its 32 unrolled time steps make a 3.9k-node ILP that a
+    # budget makes slow to solve (nothing folds them); it plans and runs as it is
+    ("lstm", (2,), ("dp",), "float64", None, F64, None),
+    ("lstm", (2, 2), ("dp", "tp"), "float64", None, F64, None),
+    ("llama-bf16", (2,), ("dp",), "bfloat16", 0.6, BF16, "float32"),
+    ("llama-bf16", (2, 2), ("dp", "tp"), "bfloat16", 0.5, BF16, "float32"),
+]
 
 
 def _on_gloo(counts: dict) -> dict:
@@ -43,16 +81,33 @@ def _on_gloo(counts: dict) -> dict:
     return out
 
 
+def _case_id(case) -> str:
+    example, mesh, _, dtype, *_ = case
+    return f"{example}-{'x'.join(map(str, mesh))}-{dtype}"
+
+
 @pytest.mark.distributed
-@pytest.mark.parametrize("example,mesh,axes,dtype,fraction", CASES, ids=lambda v: str(v))
-def test_zoo_matches_single_device(example, mesh, axes, dtype, fraction):
-    reports = verify(example, mesh, axes, steps=3, dtype=dtype, memory_fraction=fraction)
-    tol = TOL[dtype]
+@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
+def test_zoo_matches_single_device(case):
+    example, mesh, axes, dtype, fraction, (loss_tol, grad_tol, param_tol), ref_dtype = case
+    reports = verify(
+        example,
+        mesh,
+        axes,
+        steps=3,
+        dtype=dtype,
+        memory_fraction=fraction,
+        ref_dtype=ref_dtype,
+    )
     for rank, r in enumerate(reports):
         for a, b in zip(r.losses, r.ref_losses):
-            assert a == pytest.approx(b, rel=tol), f"rank {rank} loss {a} vs {b}"
-        assert r.grad_rel_err <= tol, f"rank {rank} gradient of {r.worst_grad}: {r.grad_rel_err}"
-        assert r.param_rel_err <= tol, f"rank {rank} parameter {r.worst_param}: {r.param_rel_err}"
+            assert a == pytest.approx(b, rel=loss_tol), f"rank {rank} loss {a} vs {b}"
+        assert r.grad_rel_err <= grad_tol, (
+            f"rank {rank} gradient of {r.worst_grad}: {r.grad_rel_err}"
+        )
+        assert r.param_rel_err <= param_tol, (
+            f"rank {rank} parameter {r.worst_param}: {r.param_rel_err}"
+        )
     r0 = reports[0]
     # every rank returns the same loss
     assert all(r.losses == r0.losses for r in reports)
@@ -69,10 +124,12 @@ def test_zoo_matches_single_device(example, mesh, axes, dtype, fraction):
         pp = plan.param_placements
         assert pp["tok.weight"] == pp["head.weight"]
         assert any(p != ("R", "R") for p in (plan.nodes[n].out[0] for n in plan.params.values()))
-    if example != "mlp":
+    # every op had a rule (or a decomposition into ops that have one): nothing replicated
+    # for want of a rule
+    assert plan.fallback_nodes == (), plan.warnings
+    # NOTE: t5's first block of each stack alone holds the relative position bias, so its
+    # two blocks differ and nothing folds
+    if example not in ("mlp", "resnet", "lstm", "t5"):
         # planned with folding (the default): the layers shared one set of choices
         assert plan.stats["fold_groups"], plan.summary()
         assert plan.stats["solver_nodes"] < plan.stats["nodes"]
-    else:
-        # mse_loss has no sharding rule: replicated, said so, and still exact
-        assert any(w.startswith("aten.mse_loss.default (<top level>") for w in plan.warnings)

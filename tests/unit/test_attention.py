@@ -165,3 +165,38 @@ def test_attention_dropout_warns_and_plans():
 
         with _TargetAttention():
             F.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+
+
+class _BiasedAttention(torch.nn.Module):
+    """Attention with a learned additive bias, as T5's relative position bias."""
+
+    def __init__(self, hidden=32, heads=4, seq=16):
+        super().__init__()
+        self.heads = heads
+        self.qkv = torch.nn.Linear(hidden, 3 * hidden)
+        self.bias = torch.nn.Parameter(torch.zeros(1, heads, seq, seq))
+
+    def forward(self, x_BSH):
+        b, s, h = x_BSH.shape
+        q, k, v = self.qkv(x_BSH).view(b, s, 3, self.heads, h // self.heads).unbind(2)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=self.bias
+        )
+        return out.transpose(1, 2).reshape(b, s, h)
+
+
+def test_attention_left_as_torchs_is_said_in_the_plan():
+    x = torch.randn(4, 16, 32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = autopar.plan(
+            _BiasedAttention(),
+            autopar.Mesh((2,), ("dp",)),
+            (x,),
+            loss_fn=lambda y, t: ((y - t) ** 2).mean(),
+            example_targets=(x,),
+        )
+    (note,) = [w for w in plan.warnings if "scaled_dot_product_attention" in w]
+    assert "mask needs a gradient" in note
+    assert plan.fallback_nodes == ()  # torch's math attention: ops with rules
+    assert "bias" in " ".join(plan.params)
