@@ -1,4 +1,4 @@
-"""The ``autopar`` command: a thin layer over the Python API.
+"""The autopar command: a thin layer over the Python API.
 
 autopar plan MODEL --mesh 2x2 [--axes dp,tp] [--device h100] [--batch 8] [--out plan.json]
     MODEL is a built-in example (autopar.models.EXAMPLES) or path/to/file.py:factory,
@@ -17,8 +17,9 @@ import sys
 import warnings
 
 from . import api
-from .core import Mesh, Plan
-from .verify import resolve_example, verify
+from .core import Mesh, Plan, __version__
+from .models import EXAMPLES
+from .verify import build_example, verify
 
 __all__ = ["main", "plan_example"]
 
@@ -60,7 +61,7 @@ def plan_example(
     ``memory_fraction`` sets the memory budget to that fraction of the whole model's
     parameter state (parameters, gradients, AdamW moments).
     """
-    model, inputs, loss_fn, targets = resolve_example(name)(batch=batch)
+    model, inputs, loss_fn, targets = build_example(name, batch=batch)
     if memory_fraction is not None:
         full = sum(p.numel() * p.element_size() for p in model.parameters())
         memory_budget = 4 * full * memory_fraction
@@ -83,7 +84,7 @@ def plan_example(
 def cmd_plan(args) -> int:
     shape = args.mesh
     mesh = Mesh(shape, _axes(shape, args.axes), device=args.device)
-    budget = args.memory_budget_mib * 2**20 if args.memory_budget_mib else None
+    budget = None if args.memory_budget_mib is None else args.memory_budget_mib * 2**20
     plan = plan_example(
         args.model,
         mesh,
@@ -138,19 +139,37 @@ def cmd_demo(args) -> int:
     return 0 if ok else 1
 
 
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+    return value
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="autopar", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="autopar",
+        description="Plan a PyTorch training step over a device mesh, and run it.",
+    )
+    p.add_argument("--version", action="version", version=f"autopar {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     pp = sub.add_parser("plan", help="plan a model for a mesh and print the plan")
-    pp.add_argument("model", help="built-in example name or path/to/file.py:factory")
+    pp.add_argument(
+        "model",
+        help=f"a built-in example ({', '.join(EXAMPLES)}) or path/to/file.py:factory, "
+        "factory(batch=...) returning (model, example_inputs, loss_fn, example_targets)",
+    )
     pp.add_argument("--mesh", type=_mesh_shape, default=(2, 2), help="e.g. 8, 2x4 (default 2x2)")
     pp.add_argument("--axes", default=None, help="axis names, e.g. dp,tp")
     pp.add_argument("--device", default="h100", help="device profile (default h100)")
     pp.add_argument("--batch", type=int, default=8, help="global batch size (default 8)")
     pp.add_argument(
         "--memory-budget-mib",
-        type=float,
+        type=_positive,
         default=None,
         help="per-rank budget for parameters, gradients and AdamW state",
     )
@@ -162,14 +181,21 @@ def main(argv=None) -> int:
     pp.set_defaults(fn=cmd_plan)
 
     pd = sub.add_parser("demo", help="plan a small GPT and train it on local gloo processes")
-    pd.add_argument("--model", default="gpt")
-    pd.add_argument("--mesh", type=_mesh_shape, default=(2, 2))
-    pd.add_argument("--axes", default=None)
-    pd.add_argument("--steps", type=int, default=3)
-    pd.add_argument("--dtype", default="float64", choices=["float64", "float32"])
+    pd.add_argument("--model", default="gpt", help="a built-in example (default gpt)")
+    pd.add_argument(
+        "--mesh", type=_mesh_shape, default=(2, 2), help="e.g. 2, 2x2 (default 2x2): 4 processes"
+    )
+    pd.add_argument("--axes", default=None, help="axis names, e.g. dp,tp")
+    pd.add_argument("--steps", type=int, default=3, help="AdamW steps (default 3)")
+    pd.add_argument(
+        "--dtype",
+        default="float64",
+        choices=["float64", "float32"],
+        help="dtype of the model and the batch (default float64: tight comparison)",
+    )
     pd.add_argument(
         "--memory-fraction",
-        type=float,
+        type=_positive,
         default=0.5,
         help="parameter memory budget per rank, as a fraction of the whole model's",
     )
@@ -178,7 +204,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     try:
         return args.fn(args)
-    except (ValueError, TypeError, KeyError, FileNotFoundError, RuntimeError) as e:
+    except (ValueError, TypeError, KeyError, OSError, RuntimeError, ImportError) as e:
         if getattr(args, "verbose", False):
             raise
         print(f"autopar {args.cmd}: {e}", file=sys.stderr)

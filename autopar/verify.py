@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import logging
 import math
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -25,7 +27,7 @@ from .models import EXAMPLES
 from .passes.strategies import NoRuleWarning
 from .runtime import run_local
 
-__all__ = ["VerifyReport", "verify", "verify_rank", "resolve_example"]
+__all__ = ["VerifyReport", "build_example", "verify", "verify_rank", "resolve_example"]
 
 
 @dataclass
@@ -63,15 +65,43 @@ def resolve_example(name: str):
         return EXAMPLES[name]
     if ":" in name:
         path, fn = name.rsplit(":", 1)
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"{path}: no such file (MODEL is path/to/file.py:factory)")
         spec = importlib.util.spec_from_file_location("autopar_user_model", path)
         if spec is None or spec.loader is None:
-            raise FileNotFoundError(f"cannot load {path}")
+            raise FileNotFoundError(f"cannot load {path} as a Python module")
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
-        return getattr(mod, fn)
+        factory = getattr(mod, fn, None)
+        if not callable(factory):
+            functions = sorted(
+                n for n, v in vars(mod).items() if callable(v) and not n.startswith("_")
+            )
+            raise ValueError(f"{path} has no function {fn!r}; its functions: {functions}")
+        return factory
     raise KeyError(
         f"unknown model {name!r}: built-in names are {sorted(EXAMPLES)}, or give file.py:factory"
     )
+
+
+def build_example(name: str, **kwargs):
+    """``(model, example_inputs, loss_fn, example_targets)`` from the factory of ``name``
+    (``resolve_example``), checked, with a clear error for what is missing."""
+    try:
+        built = resolve_example(name)(**kwargs)
+    except ModuleNotFoundError as e:
+        raise ModuleNotFoundError(
+            f"example {name!r} needs the {e.name!r} package: pip install 'autopar[hf]'"
+            if e.name == "transformers"
+            else f"example {name!r} needs the {e.name!r} package, which is not installed"
+        ) from e
+    if not isinstance(built, tuple) or len(built) != 4:
+        got = f"{len(built)} values" if isinstance(built, tuple) else type(built).__name__
+        raise ValueError(
+            f"the factory of {name!r} returned {got}; it must return "
+            "(model, example_inputs, loss_fn, example_targets)"
+        )
+    return built
 
 
 def _rel_errors(got: dict, want: dict) -> tuple[float, str]:
@@ -110,9 +140,13 @@ def verify_rank(
 ) -> VerifyReport:
     """``ref_dtype``: the single-device model runs in this dtype (a float32 control for a
     bf16 run); default ``dtype``."""
+    # NOTE: DTensor warns, once per rank, that a Partial on two axes takes two sequential
+    # all-reduces; the plan priced them so (flattened multi-axis collectives are not planned
+    # yet), and four copies of the warning say nothing to the person running this.
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     dt = getattr(torch, dtype)
     torch.manual_seed(0)
-    model, inputs, loss_fn, targets = resolve_example(example)(batch=batch)
+    model, inputs, loss_fn, targets = build_example(example, batch=batch)
     ref_dt = getattr(torch, ref_dtype or dtype)
     ref = copy.deepcopy(model).to(ref_dt)
     ref_inputs = tuple(_cast(t, ref_dt) for t in inputs)

@@ -383,4 +383,10 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
-        return cls.from_json(Path(path).read_text())
+        """The plan saved at ``path``; an error naming the file if it holds none."""
+        try:
+            return cls.from_json(Path(path).read_text())
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(
+                f"{path} does not hold an autopar plan ({type(e).__name__}: {e})"
+            ) from None

@@ -1,5 +1,7 @@
 import textwrap
 
+import pytest
+
 from autopar.cli import main
 
 
@@ -44,3 +46,55 @@ def test_plan_reports_what_was_folded_and_no_fold_turns_it_off(capsys):
     assert "folded: " in out and "2 x " in out and "blocks.{0,1}" in out
     assert main(["plan", "gpt", "--mesh", "2", "--no-fold"]) == 0
     assert "folded: " not in capsys.readouterr().out
+
+
+def test_version(capsys):
+    import autopar
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == f"autopar {autopar.__version__}"
+
+
+def test_plan_help_lists_the_built_in_models(capsys):
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    out = capsys.readouterr().out
+    assert "qwen2" in out and "llama3-8b" in out and "file.py:factory" in out
+
+
+def test_bad_input_is_a_one_line_error(capsys, tmp_path):
+    src = tmp_path / "models.py"
+    src.write_text(
+        "def other(batch=8):\n    return 1, 2\n\n"
+        "def needs_hf(batch=8):\n    raise ModuleNotFoundError(name='transformers')\n"
+    )
+    cases = [
+        ([f"{src}:factory"], "has no function 'factory'; its functions: ['needs_hf', 'other']"),
+        ([f"{src}:needs_hf"], "needs the 'transformers' package: pip install 'autopar[hf]'"),
+        ([f"{src}:other"], "returned 2 values; it must return (model, example_inputs"),
+        ([f"{tmp_path / 'missing.py'}:f"], "missing.py: no such file"),
+    ]
+    for args, message in cases:
+        assert main(["plan", *args, "--mesh", "2"]) == 2
+        err = capsys.readouterr().err
+        assert message in err, err
+        assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_a_memory_budget_must_be_positive(capsys):
+    for budget in ("0", "-5"):
+        with pytest.raises(SystemExit) as e:
+            main(["plan", "mlp", "--memory-budget-mib", budget])
+        assert e.value.code == 2
+        assert "must be > 0" in capsys.readouterr().err
+
+
+def test_a_corrupt_plan_file_names_the_file(tmp_path):
+    from autopar import Plan
+
+    path = tmp_path / "corrupt.json"
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="corrupt.json does not hold an autopar plan"):
+        Plan.load(path)
