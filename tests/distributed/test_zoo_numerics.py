@@ -86,8 +86,19 @@ def _case_id(case) -> str:
     return f"{example}-{'x'.join(map(str, mesh))}-{dtype}"
 
 
+# NOTE: the (2, 2) cases of these families take 1-3 minutes each on a 2-core machine (14
+# minutes together): marked slow, run with `python -m pytest -q -m slow tests`; their (2,)
+# cases, and (2, 2) for the other families, run in every test run
+SLOW = {"qwen2", "mistral", "gemma2", "mixtral", "qwen2-moe", "t5", "lstm", "llama-bf16"}
+
+
+def _param(case):
+    slow = case[0] in SLOW and len(case[1]) == 2
+    return pytest.param(case, id=_case_id(case), marks=[pytest.mark.slow] if slow else [])
+
+
 @pytest.mark.distributed
-@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
+@pytest.mark.parametrize("case", [_param(c) for c in CASES])
 def test_zoo_matches_single_device(case):
     example, mesh, axes, dtype, fraction, (loss_tol, grad_tol, param_tol), ref_dtype = case
     reports = verify(

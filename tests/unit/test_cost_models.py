@@ -109,10 +109,15 @@ def test_sdpa_flops_including_cpu_and_raw_registry_variants():
     )
     cpu = aten._scaled_dot_product_flash_attention_for_cpu.default
     assert op_flops(cpu, (q, q, q), {}, (q, S([b, h, s]))) == expected
-    # _flash_attention_forward's formula is "raw" (reads .shape itself).
+    # _flash_attention_forward's formula is "raw" (reads .shape itself). Its inputs are
+    # (batch, seq, heads, dim); torch 2.13's formula read them as (batch, heads, seq, dim),
+    # 2.14 as documented: heads == seq here, so both readings count the same FLOPs.
     raw = aten._flash_attention_forward.default
-    raw_args = (q, q, q, None, None, s, s, 0.0, False, False)
-    assert op_flops(raw, raw_args, {}, (q, S([b, h, s]), S([]), S([]), S([]))) == expected
+    n = 16
+    qr = S([b, n, n, d])
+    raw_args = (qr, qr, qr, None, None, n, n, 0.0, False, False)
+    out = (qr, S([b, n, n]), S([]), S([]), S([]))
+    assert op_flops(raw, raw_args, {}, out) == 4 * b * n * n * n * d
 
 
 def test_pointwise_op_counts_one_flop_per_output_element():

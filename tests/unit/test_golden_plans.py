@@ -7,7 +7,9 @@ says so in its commit:
 
     python tests/unit/test_golden_plans.py --regenerate
 
-The files are gzipped: a 2-layer model's plan is ~10k lines of JSON.
+The files are gzipped: a 2-layer model's plan is ~10k lines of JSON. They are made with the
+pinned torch (``versions`` in each); on another torch the placements and the estimated cost
+(within 5%) must match, and the whole plan where the traced graph is the same.
 """
 
 from __future__ import annotations
@@ -55,8 +57,21 @@ def test_plan_equals_the_committed_plan(case):
     path = GOLDEN / _name(case)
     want = gzip.decompress(path.read_bytes()).decode()
     got = _plan_json(case)
+    a, b = json.loads(got), json.loads(want)
+    if a["versions"]["torch"] != b["versions"]["torch"]:
+        # another torch (CI also runs the newest): its DTensor rules offer other candidate
+        # sets and its trace may differ by a few nodes, so the solver's statistics and the
+        # graph may change; the decisions a user sees must not
+        for key in ("params", "buffers", "inputs"):
+            assert a[key] == b[key], (
+                f"{path.name}: {key} placements changed on torch {a['versions']}"
+            )
+        assert a["cost"]["total_s"] == pytest.approx(b["cost"]["total_s"], rel=0.05)
+        if a["fingerprint"] == b["fingerprint"]:  # the same graph: the same plan
+            for key in set(a) - {"stats", "versions"}:
+                assert a[key] == b[key], f"{path.name}: {key} changed on torch {a['versions']}"
+        return
     if got != want:
-        a, b = json.loads(got), json.loads(want)
         diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
         pytest.fail(f"{path.name}: the plan changed in {diff}")
 
