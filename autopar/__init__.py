@@ -8,13 +8,14 @@ processes or weights.
 
 from .api import PlanMismatchError, compile, plan, plan_step
 from .core import Mesh, NodeChoice, Plan, __version__
-from .runtime import ParallelModule
+from .runtime import ParallelModule, PeerLostError
 
 __all__ = [
     "Mesh",
     "NodeChoice",
     "ParallelModule",
     "Plan",
+    "PeerLostError",
     "PlanMismatchError",
     "compile",
     "plan",

@@ -12,20 +12,25 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import hashlib
 import itertools
 import logging
+import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .core import Mesh, Plan
 from .passes.pipeline import COMPILE_STAGES, PLAN_STAGES, TRACE, PlanOptions, run_stages
 from .passes.trace import StepGraph
-from .runtime import ParallelModule
+from .runtime import ParallelModule, empty_local_shards, init_local_shards
 
 __all__ = ["plan", "compile", "plan_step", "PlanMismatchError"]
 
@@ -93,8 +98,11 @@ def _gc_paused():
         gc.unfreeze()
 
 
-def _trace(model, example_inputs, loss_fn, example_targets, stack, stats) -> StepGraph:
+def _trace(
+    model, example_inputs, loss_fn, example_targets, stack, stats, meta_device="cpu"
+) -> StepGraph:
     state = {
+        "meta_device": meta_device,
         "model": model,
         "example_inputs": example_inputs,
         "loss_fn": loss_fn,
@@ -182,6 +190,21 @@ def _plan_on_rank0(step: StepGraph, amesh: Mesh, options: PlanOptions, stats: di
     return Plan.from_json(value[len("plan:") :])
 
 
+def _check_same_plan(plan: Plan) -> None:
+    """Every rank must run the same plan: compare digests (a raise on every rank)."""
+    digest = hashlib.sha256(plan.to_json().encode()).hexdigest()[:12]
+    digests: list = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, digest)
+    if len(set(digests)) > 1:
+        groups: dict[str, list[int]] = {}
+        for r, d in enumerate(digests):
+            groups.setdefault(d, []).append(r)
+        which = "; ".join(f"ranks {rs}: plan {d}" for d, rs in groups.items())
+        raise PlanMismatchError(
+            f"the ranks were given different plans ({which}): give every rank the same plan"
+        )
+
+
 def compile(  # noqa: A001 - the documented name
     model: nn.Module,
     mesh,
@@ -195,6 +218,8 @@ def compile(  # noqa: A001 - the documented name
     memory_budget: float | None = None,
     fold: bool = True,
     skip=(),
+    init_weights: Callable[[nn.Module], None] | None = None,
+    checkpoint: str | Path | None = None,
 ) -> ParallelModule:
     """Plan ``model`` for the torch ``DeviceMesh`` ``mesh`` and return a ``ParallelModule``.
 
@@ -205,20 +230,33 @@ def compile(  # noqa: A001 - the documented name
     cuda, cpu otherwise). ``memory_budget``: bytes per rank for parameters, gradients and
     AdamW state. ``fold``, ``skip``: as in ``plan``. The codegen stage's time and size are
     in ``pm.stats``.
+
+    A model on the meta device is materialized as this rank's shards only (runtime/init):
+    by each module's ``reset_parameters()``, or ``init_weights(module)``, which gives the
+    single-device model's values for the same seed; or, with ``checkpoint``, loaded from a
+    ``torch.distributed.checkpoint`` directory (any mesh or plan saved it).
     """
     _check_world(mesh)
-    if any(p.is_meta for p in model.parameters()):
+    rng = _rng_states(mesh.device_type)  # init draws from the generators as they are now
+    meta = any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
+    if (init_weights is not None or checkpoint is not None) and not meta:
         raise ValueError(
-            "autopar.compile needs the model's real weights (this one is on the meta device); "
-            "use autopar.plan to plan a meta model"
+            "init_weights and checkpoint initialize a model built on the meta device; this "
+            "model has real weights (load a checkpoint into it with pm.load_state_dict or DCP)"
         )
+    if init_weights is not None and checkpoint is not None:
+        raise ValueError("pass init_weights or checkpoint, not both")
     amesh = Mesh.from_device_mesh(mesh, device)
     options = _options(time_limit_s, memory_budget, fold, skip)
     if isinstance(plan, (str, Path)):
         plan = Plan.load(plan)
+    if plan is not None:
+        _check_same_plan(plan)
     stats: dict = {}
     with contextlib.ExitStack() as stack:
-        step = _trace(model, example_inputs, loss_fn, example_targets, stack, stats)
+        step = _trace(
+            model, example_inputs, loss_fn, example_targets, stack, stats, mesh.device_type
+        )
         if plan is None:
             plan = _plan_on_rank0(step, amesh, options, stats)
         else:
@@ -234,10 +272,59 @@ def compile(  # noqa: A001 - the documented name
                 )
         state = {"trace": step, "plan": plan, "dmesh": mesh}
         compiled = run_stages(COMPILE_STAGES, state, stats, skip=options.skip)["codegen"]
+    local_values = None
+    if meta:
+        _set_rng_states(mesh.device_type, rng)
+        local_values = _materialize(model, plan, mesh, init_weights, checkpoint, stats)
     if compiled.mismatches:
         log.warning(
             "autopar: %d ops ran with another placement than planned: %s",
             len(compiled.mismatches),
             "; ".join(compiled.mismatches[:5]),
         )
-    return ParallelModule(model, plan, mesh, compiled, stats=stats)
+    pm = ParallelModule(model, plan, mesh, compiled, stats=stats, local_values=local_values)
+    if checkpoint is not None:
+        _load_checkpoint(pm, checkpoint)
+    return pm
+
+
+def _rng_states(device_type: str) -> list:
+    states = [torch.random.get_rng_state()]
+    if device_type != "cpu":
+        states.append(torch.get_device_module(device_type).get_rng_state())
+    return states
+
+
+def _set_rng_states(device_type: str, states: list) -> None:
+    torch.random.set_rng_state(states[0])
+    if device_type != "cpu":
+        torch.get_device_module(device_type).set_rng_state(states[1])
+
+
+def _materialize(model, plan: Plan, mesh, init_weights, checkpoint, stats: dict) -> dict:
+    """This rank's shards of a meta model: initialized, or empty for a checkpoint to fill."""
+    placements = {**plan.param_placements, **plan.buffer_placements}
+    device = mesh.device_type
+    t0 = time.perf_counter()
+    if checkpoint is not None:
+        values = empty_local_shards(model, placements, mesh, device)
+        peak = sum(
+            v.numel() * v.element_size() for v in {id(v): v for v in values.values()}.values()
+        )
+    else:
+        values, peak = init_local_shards(model, placements, mesh, init_weights, device)
+    stats["init_s"] = time.perf_counter() - t0
+    stats["init_peak_bytes"] = peak
+    return values
+
+
+def _load_checkpoint(pm: ParallelModule, checkpoint) -> None:
+    """Fill ``pm``'s shards from a DCP checkpoint of the model's state dict (saved as
+    ``pm.state_dict()``, or under the key ``"model"`` as torch's state_dict helpers are
+    often saved with an optimizer beside it)."""
+    state = pm.state_dict()
+    reader = dcp.FileSystemReader(str(checkpoint))
+    keys = set(reader.read_metadata().state_dict_metadata)
+    nested = not (set(state) & keys) and any(k.startswith("model.") for k in keys)
+    dcp.load({"model": state} if nested else state, storage_reader=reader)
+    pm.load_state_dict(state)

@@ -301,17 +301,15 @@ def codegen(step: StepGraph, plan: Plan, dmesh) -> CompiledStep:
     """The compiled local step of ``plan`` on ``dmesh``, as the runtime takes it."""
     local = build_local_graph(step, plan, dmesh)
     fn = compile_local_step(step, local)
+    batch = [n for n in step.placeholders() if n.meta[roles.META_ROLE] in roles.BATCH_ROLES]
     return CompiledStep(
         fn=fn,
         gm=local.gm,
         param_names=list(step.param_names),
         buffer_names=list(step.buffer_names),
         alias_of=dict(step.alias_of),
-        input_shapes=[
-            tuple(n.meta["val"].shape)
-            for n in step.placeholders()
-            if n.meta[roles.META_ROLE] in roles.BATCH_ROLES
-        ],
+        input_shapes=[tuple(n.meta["val"].shape) for n in batch],
+        input_dtypes=[n.meta["val"].dtype for n in batch],
         collective_counts=count_collectives(local.gm, dmesh),
         mismatches=list(local.mismatches),
     )

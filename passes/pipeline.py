@@ -135,6 +135,7 @@ def _trace(state: dict) -> StepGraph:
         loss_fn=state.get("loss_fn"),
         example_targets=state.get("example_targets"),
         stack=state["stack"],
+        meta_device=state.get("meta_device", "cpu"),
     )
 
 

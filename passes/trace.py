@@ -271,8 +271,9 @@ def _drop_asserts(gm: torch.fx.GraphModule) -> None:
     gm.recompile()
 
 
-def _meta_to_fake(model: nn.Module, inputs, targets):
-    """Trace a meta model as fake CPU tensors: same shapes, still no memory.
+def _meta_to_fake(model: nn.Module, inputs, targets, device: str = "cpu"):
+    """Trace a meta model as fake tensors on ``device`` (the device it will run on; CPU
+    when only planning): same shapes, still no memory.
 
     NOTE: aot_autograd on meta tensors loses grad mode after a ``torch.no_grad`` region
     (the rotary embedding of HF Llama has one), so the joint graph would have no backward;
@@ -281,9 +282,9 @@ def _meta_to_fake(model: nn.Module, inputs, targets):
     mode = FakeTensorMode(allow_non_fake_inputs=False)
 
     def fake(t: torch.Tensor) -> torch.Tensor:
-        device = "cpu" if t.is_meta else t.device
+        device_ = device if t.is_meta else t.device
         with mode:
-            out = torch.empty(t.shape, dtype=t.dtype, device=device)
+            out = torch.empty(t.shape, dtype=t.dtype, device=device_)
         return out
 
     model = copy.deepcopy(model)
@@ -332,8 +333,10 @@ def trace_step(
     loss_fn=None,
     example_targets=None,
     stack: contextlib.ExitStack,
+    meta_device: str = "cpu",
 ) -> StepGraph:
-    """Trace ``loss_fn(model(*example_inputs), *example_targets)`` into a joint graph."""
+    """Trace ``loss_fn(model(*example_inputs), *example_targets)`` into a joint graph
+    (meta tensors as fake tensors on ``meta_device``)."""
     inputs, targets = _check_inputs(model, example_inputs, loss_fn, example_targets)
     first_name: dict[int, str] = {}
     alias_of: dict[str, str] = {}
@@ -343,7 +346,7 @@ def trace_step(
         else:
             first_name[id(p)] = name
     if any(t.is_meta for t in list(model.parameters()) + list(inputs + targets)):
-        model, inputs, targets = _meta_to_fake(model, inputs, targets)
+        model, inputs, targets = _meta_to_fake(model, inputs, targets, meta_device)
     step = _Step(model, loss_fn, len(inputs))
     args = inputs + targets
     t0 = time.perf_counter()

@@ -4,7 +4,9 @@
 initialises ``torch.distributed`` with gloo on 127.0.0.1 at a free port, calls
 ``fn(rank, world_size, *args)``, and sends its return value back; the parent returns the
 list of results in rank order, or raises with the failing rank's traceback (or, for a
-process that died without reporting, its exit code, within ``_POLL_S``).
+process that died without reporting, its exit code, within ``_POLL_S``). A rank that died
+without a word is named before the ranks that then failed (they lost their peer), and the
+other processes are terminated: a failure never waits for a timeout.
 """
 
 from __future__ import annotations
@@ -74,6 +76,13 @@ def run_local(fn, world_size: int, *args, timeout_s: float = 900.0):
                     errors[missing[0]] = f"no result within {timeout_s:.0f} s"
                 continue
             (results if ok else errors)[rank] = value
+        if errors:  # a peer's error can arrive before its dead cause is seen: look again
+            grace = time.monotonic() + 4 * _POLL_S
+            while time.monotonic() < grace:
+                for r, p in enumerate(procs):
+                    if r not in results and r not in errors and p.exitcode not in (None, 0):
+                        errors[r] = f"process exited with code {p.exitcode} before reporting"
+                time.sleep(_POLL_S / 5)
     finally:
         for p in procs:
             if errors:
@@ -82,6 +91,9 @@ def run_local(fn, world_size: int, *args, timeout_s: float = 900.0):
             if p.is_alive():
                 p.kill()
     if errors:
-        rank = min(errors)
+        # a rank that died without a word is the cause; the others' errors (a peer lost in
+        # a collective) follow from it
+        silent = [r for r, e in errors.items() if e.startswith("process exited")]
+        rank = min(silent or errors)
         raise RuntimeError(f"rank {rank} of {world_size} failed:\n{errors[rank]}")
     return [results[r] for r in range(world_size)]

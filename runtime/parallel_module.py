@@ -1,37 +1,61 @@
-"""``ParallelModule``: the compiled local step, holding this rank's parameter shards.
+"""``ParallelModule``: the compiled local step, holding the model's parameters as DTensors.
 
 Takes a ``Plan`` and a ``CompiledStep`` (core), and the model whose weights it shards; it
-never re-plans and never reads the traced graph. The shards are ordinary ``nn.Parameter``s
-(any torch optimizer works on them). Calling the module runs the compiled local joint graph
-(forward now, backward when ``loss.backward()`` is called), with the collectives the plan
-chose.
+never re-plans and never reads the traced graph.
+
+The boundary, as torch's own parallelism (FSDP2, ``parallelize_module``) draws it:
+
+- every parameter is an ``nn.Parameter`` wrapping a ``DTensor`` with the plan's placements
+  on the device mesh, registered under the model's own name in a tree of empty modules
+  that mirrors the model's (so ``named_parameters()``, ``state_dict()`` and
+  ``load_state_dict()`` use the model's keys, and torch's checkpoint helpers find them);
+  buffers are DTensors the same way;
+- a call hands the compiled step the local tensors (``DTensor.to_local``, differentiable):
+  the step runs on local shards with the collectives the plan chose, and the gradient of
+  each local shard, which the step already reduced to its parameter's placements, comes
+  back as a DTensor gradient with those placements.
+
+So torch's optimizers (foreach and fused) and ``clip_grad_norm_`` see DTensors and compute
+global results (the norm over every shard, once), and DCP saves and reshards the state.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import re
+from collections.abc import Mapping
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
-from autopar.core import CompiledStep, Plan, contiguous_stride, local_shape
+from autopar.core import CompiledStep, Plan, local_shape
 
-__all__ = ["ParallelModule"]
+__all__ = ["ParallelModule", "PeerLostError"]
+
+# what gloo and NCCL say when a collective's peer process is gone
+_PEER_LOST = re.compile(
+    r"Connection closed by peer|Connection reset by peer|Broken pipe|"
+    r"NCCL communicator was aborted|ProcessGroupNCCL.*(?:abort|timeout)",
+    re.IGNORECASE,
+)
 
 
-def _key(name: str) -> str:
-    return name.replace(".", "__")
+class PeerLostError(RuntimeError):
+    """A collective of the step failed because another rank is gone."""
+
+
+# attributes of a ParallelModule itself; a model child of one of these names cannot be mirrored
+_OWN = ("plan", "device_mesh", "compiled", "stats", "mismatches")
 
 
 class ParallelModule(nn.Module):
     """One rank's part of a model planned and compiled by ``autopar.compile``.
 
-    ``parameters()`` yields the local shards, ``named_parameters()`` names them like the
-    original model with ``.`` written ``__`` (a tied parameter once, under its first name).
-    ``gather_grads()`` and ``state_dict()`` return full tensors keyed by the original names
-    (buffers too: a buffer the forward updates, such as BatchNorm's running statistics, holds
-    its new value after each step, as in the model).
+    ``named_parameters()``, ``named_buffers()`` and ``state_dict()`` give the model's names,
+    each a DTensor holding this rank's shard (a tied parameter once per name in
+    ``state_dict``, once in ``parameters()``). ``load_state_dict`` takes DTensors of any
+    placements on this mesh, or full tensors (a single-device state dict).
+    ``gather_grads()`` returns full gradients (for checks; it gathers every tensor).
     """
 
     def __init__(
@@ -42,6 +66,7 @@ class ParallelModule(nn.Module):
         compiled: CompiledStep,
         *,
         stats: dict | None = None,
+        local_values: Mapping[str, torch.Tensor] | None = None,
     ):
         super().__init__()
         self.plan = plan
@@ -53,29 +78,81 @@ class ParallelModule(nn.Module):
         self._param_names = list(compiled.param_names)
         self._buffer_names = list(compiled.buffer_names)
         self._n_args = len(plan.inputs)
-        self._global_shapes: dict[str, torch.Size] = {}
-        self._placements = placements = plan.param_placements
-        named = dict(model.named_parameters(remove_duplicate=False))
-        named_buffers = dict(model.named_buffers(remove_duplicate=False))
-        # the model's own state_dict keys, in its order (persistent buffers only)
-        self._state_keys = list(model.state_dict(keep_vars=True))
-        self._alias_of = dict(compiled.alias_of)
-        for name in self._param_names:
-            full = named[name].detach()
-            self._global_shapes[name] = full.shape
-            if name in self._alias_of:
-                continue  # a tied parameter: the first name's shard serves both
-            local = distribute_tensor(full, device_mesh, placements[name], src_data_rank=None)
-            self.register_parameter(_key(name), nn.Parameter(local.to_local().clone()))
-        self._buffer_placements = plan.buffer_placements
-        for name in self._buffer_names:
-            ps = self._buffer_placements[name]
-            full = named_buffers[name].detach()
-            self._global_shapes[name] = full.shape
-            local = distribute_tensor(full, device_mesh, ps, src_data_rank=None)
-            self.register_buffer(_key(name), local.to_local().clone())
         self._input_placements = plan.input_placements
         self._input_shapes = list(compiled.input_shapes)
+        self._mirror(model, local_values or {})
+        # where each name the step takes lives: (module of the mirror, attribute)
+        self._param_slots = [self._slot(n) for n in self._param_names]
+        self._buffer_slots = [self._slot(n) for n in self._buffer_names]
+
+    def _slot(self, name: str) -> tuple[nn.Module, str]:
+        path, _, attr = name.rpartition(".")
+        return self.get_submodule(path), attr
+
+    def _mirror(self, model: nn.Module, local_values: Mapping[str, torch.Tensor]) -> None:
+        """Register the model's parameters and buffers as DTensors in a tree of empty
+        modules with the model's paths, in the model's order (so ``state_dict`` keys and
+        their order are the model's). ``local_values``: this rank's shards where the caller
+        made them (meta-device initialization); others are cut from the model's tensors."""
+        placements = {**self.plan.param_placements, **self.plan.buffer_placements}
+        persistent = set(model.state_dict(keep_vars=True))
+        for name, _ in model.named_children():
+            if name in _OWN:
+                raise ValueError(
+                    f"the model has a child named {name!r}, an attribute ParallelModule "
+                    "itself uses; rename it to compile this model"
+                )
+        mirrors: dict[int, nn.Module] = {}
+        made: dict[int, nn.Parameter] = {}  # one DTensor parameter per model parameter (ties)
+        for path, module in model.named_modules(remove_duplicate=False):
+            if id(module) in mirrors:  # a module shared under two paths: shared here too
+                self._container(path).add_module(path.rsplit(".", 1)[-1], mirrors[id(module)])
+                continue
+            mirror = self if path == "" else nn.Module()
+            if path:
+                self._container(path).add_module(path.rsplit(".", 1)[-1], mirror)
+            mirrors[id(module)] = mirror
+            prefix = f"{path}." if path else ""
+            for pname, p in module.named_parameters(recurse=False, remove_duplicate=False):
+                full_name = prefix + pname
+                if id(p) not in made:
+                    value = self._distribute(full_name, p, placements, local_values)
+                    made[id(p)] = nn.Parameter(value, requires_grad=p.requires_grad)
+                mirror.register_parameter(pname, made[id(p)])
+            for bname, b in module.named_buffers(recurse=False, remove_duplicate=False):
+                full_name = prefix + bname
+                value = self._distribute(full_name, b, placements, local_values)
+                mirror.register_buffer(bname, value, persistent=full_name in persistent)
+
+    def _container(self, path: str) -> nn.Module:
+        parent = path.rsplit(".", 1)[0] if "." in path else ""
+        return self.get_submodule(parent)
+
+    def _distribute(self, name, t, placements, local_values) -> DTensor:
+        ps = placements.get(name)
+        if ps is None:  # not an input of the step (unused by it): kept whole, replicated
+            ps = (Replicate(),) * self.device_mesh.ndim
+        if name in local_values:
+            return DTensor.from_local(
+                local_values[name],
+                self.device_mesh,
+                ps,
+                run_check=False,
+                shape=t.shape,
+                stride=t.stride(),
+            )
+        if t.is_meta:
+            raise ValueError(f"{name} is on the meta device and nothing initialized it")
+        d = distribute_tensor(t.detach(), self.device_mesh, ps, src_data_rank=None)
+        # its own storage: a replicated local tensor would otherwise be the model's
+        return DTensor.from_local(
+            d.to_local().clone(),
+            self.device_mesh,
+            ps,
+            run_check=False,
+            shape=d.shape,
+            stride=d.stride(),
+        )
 
     # -- running -------------------------------------------------------------------------
 
@@ -85,71 +162,140 @@ class ParallelModule(nn.Module):
             raise TypeError(
                 f"this ParallelModule takes {self._n_args} local {what}, got {len(args)}"
             )
+        rank = torch.distributed.get_rank()
         for i, (a, ps) in enumerate(zip(args, self._input_placements)):
             want = self._local_input_shape(i)
             if tuple(a.shape) != want:
                 raise ValueError(
-                    f"argument {i} has shape {tuple(a.shape)}, but this rank's part is {want} "
-                    f"(placements {ps}); pass pm.shard_inputs(*global_tensors)"
+                    f"rank {rank}: argument {i} has shape {tuple(a.shape)}, but this rank's "
+                    f"part is {want} (placements {ps}); pass pm.shard_inputs(*global_tensors)"
                 )
-        params = [self._shard(n) for n in self._param_names]
-        buffers = [getattr(self, _key(n)) for n in self._buffer_names]
-        return self._fn(*params, *buffers, *args)
-
-    def _shard(self, name: str) -> nn.Parameter:
-        """This rank's shard of parameter ``name`` (a tied name gives its first name's)."""
-        return getattr(self, _key(self._alias_of.get(name, name)))
+            dtypes = self.compiled.input_dtypes
+            if dtypes and a.dtype != dtypes[i]:
+                raise TypeError(
+                    f"rank {rank}: argument {i} is {a.dtype}, the step was compiled for {dtypes[i]}"
+                )
+        # to_local is differentiable: the local gradient returns as the DTensor gradient
+        # with the parameter's placements (the step reduced it to them)
+        params = [getattr(m, a).to_local() for m, a in self._param_slots]
+        buffers = [getattr(m, a).to_local() for m, a in self._buffer_slots]
+        try:
+            return self._fn(*params, *buffers, *args)
+        except RuntimeError as e:
+            if not _PEER_LOST.search(str(e)):
+                raise
+            first = str(e).strip().splitlines()[0]
+            raise PeerLostError(
+                f"rank {rank}: another rank was lost during the step ({first}); its own "
+                "error is in its log (torchrun's summary names it)"
+            ) from None
 
     def _local_input_shape(self, i: int) -> tuple[int, ...]:
         mesh_shape = tuple(self.device_mesh.shape)
         return local_shape(self._input_shapes[i], self._input_placements[i], mesh_shape)
 
-    def shard_inputs(self, *global_tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """This rank's local part of each global input (then target), as the plan places it."""
-        if len(global_tensors) != len(self._input_placements):
-            raise TypeError(
-                f"expected {len(self._input_placements)} global tensors, got {len(global_tensors)}"
+    def shard_inputs(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """This rank's local part of each input (then target), as the plan places it, from
+        the global batch or from this rank's ``data_shard()`` part of it."""
+        if len(tensors) != len(self._input_placements):
+            raise TypeError(f"expected {len(self._input_placements)} tensors, got {len(tensors)}")
+        parts, _ = self.data_shard()
+        out = []
+        for i, (t, ps) in enumerate(zip(tensors, self._input_placements)):
+            rows = self._input_shapes[i][0] if self._input_shapes[i] else None
+            if parts > 1 and rows is not None and t.shape[0] * parts == rows:
+                out.append(self._from_part(i, t))
+            else:
+                out.append(
+                    distribute_tensor(t, self.device_mesh, ps, src_data_rank=None).to_local()
+                )
+        return tuple(out)
+
+    def _batch_axes(self) -> list[tuple[int, ...]]:
+        """For each input and target, the mesh axes it splits dim 0 over, in mesh order."""
+        return [
+            tuple(a for a, p in enumerate(ps) if p.is_shard(0)) for ps in self._input_placements
+        ]
+
+    def _part_axes(self) -> tuple[int, ...]:
+        """The mesh axes of ``data_shard``: the longest run of axes that every input and
+        target splits its batch over first (so each rank's rows lie inside its part)."""
+        axes = self._batch_axes()
+        common: tuple[int, ...] = ()
+        for k in range(min((len(a) for a in axes), default=0)):
+            if len({a[k] for a in axes}) != 1:
+                break
+            common += (axes[0][k],)
+        return common
+
+    def data_shard(self) -> tuple[int, int]:
+        """``(parts, part)``: read only part ``part`` of ``parts`` of each global batch
+        (a ``DistributedSampler(num_replicas=parts, rank=part)`` with a batch of global /
+        ``parts`` rows) and pass it to ``shard_inputs``, which cuts this rank's rows from it.
+        Ranks that share a part read the same rows."""
+        coord = self.device_mesh.get_coordinate()
+        parts, part = 1, 0
+        for a in self._part_axes():
+            size = self.device_mesh.size(a)
+            parts, part = parts * size, part * size + coord[a]
+        return parts, part
+
+    def _from_part(self, i: int, t: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of input ``i`` from this rank's ``data_shard`` part."""
+        ps = self._input_placements[i]
+        if any(p.is_shard() and not p.is_shard(0) for p in ps):
+            raise ValueError(
+                f"the plan shards argument {i} along another dim than the batch ({ps}): "
+                "pass the global batch to shard_inputs"
             )
-        return tuple(
-            distribute_tensor(t, self.device_mesh, ps, src_data_rank=None).to_local()
-            for t, ps in zip(global_tensors, self._input_placements)
-        )
+        coord = self.device_mesh.get_coordinate()
+        common = self._part_axes()
+        chunks, index = 1, 0
+        for a in self._batch_axes()[i][len(common) :]:
+            size = self.device_mesh.size(a)
+            chunks, index = chunks * size, index * size + coord[a]
+        return t.tensor_split(chunks)[index] if chunks > 1 else t
 
-    # -- full tensors --------------------------------------------------------------------
-
-    def _full(self, name: str, local: torch.Tensor, placements=None) -> torch.Tensor:
-        shape = self._global_shapes[name]
-        d = DTensor.from_local(
-            local,
-            self.device_mesh,
-            self._placements[name] if placements is None else placements,
-            run_check=False,
-            shape=shape,
-            stride=contiguous_stride(shape),
-        )
-        return d.full_tensor()
+    # -- state ---------------------------------------------------------------------------
 
     def gather_grads(self) -> dict[str, torch.Tensor | None]:
-        """``{original parameter name: full gradient}`` (None where there is no gradient)."""
+        """``{parameter name: full gradient}`` (None where there is no gradient); every
+        name of a tied parameter."""
         out = {}
         for name in self._param_names:
-            p = self._shard(name)
-            out[name] = None if p.grad is None else self._full(name, p.grad.detach())
+            g = self.get_parameter(name).grad
+            out[name] = g.full_tensor() if isinstance(g, DTensor) else g
         return out
 
-    # NOTE: full tensors keyed by the model's names, not nn.Module's local-state protocol
-    # (prefix, destination, keep_vars), hence the narrower signature.
-    def state_dict(self, *args, **kwargs) -> OrderedDict:  # type: ignore[override]
-        """Full parameters and persistent buffers: the model's ``state_dict`` keys, in its
-        order (a tied parameter under each of its names)."""
-        out = OrderedDict()
-        for name in self._state_keys:
-            if name in self._buffer_placements:
-                local = getattr(self, _key(name)).detach()
-                out[name] = self._full(name, local, self._buffer_placements[name]).clone()
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Load DTensors of any placements on this mesh, or full tensors (as a single-device
+        model's ``state_dict`` holds them): each is laid out as the plan places it first.
+        To load onto another mesh, use ``torch.distributed.checkpoint``."""
+        own = self.state_dict(keep_vars=True)
+        laid = {}
+        for key, value in state_dict.items():
+            mine = own.get(key)
+            if not isinstance(mine, DTensor) or not isinstance(value, torch.Tensor):
+                laid[key] = value
+            elif isinstance(value, DTensor):
+                if value.device_mesh != self.device_mesh:
+                    raise ValueError(
+                        f"{key} is a DTensor on another device mesh ({value.device_mesh}); "
+                        "load it with torch.distributed.checkpoint, which reshards"
+                    )
+                laid[key] = value.redistribute(self.device_mesh, mine.placements)
             else:
-                out[name] = self._full(name, self._shard(name).detach())
-        return out
+                if tuple(value.shape) != tuple(mine.shape):
+                    raise ValueError(
+                        f"{key} has shape {tuple(value.shape)}, the model's is {tuple(mine.shape)}"
+                    )
+                laid[key] = distribute_tensor(
+                    value.detach().to(mine.device),
+                    self.device_mesh,
+                    mine.placements,
+                    src_data_rank=None,
+                )
+        return super().load_state_dict(laid, strict=strict, assign=assign)
 
     def collective_counts(self) -> dict[tuple[str, str], int]:
         """``{(kind, axis name): count}`` of the collectives in the compiled step graph."""

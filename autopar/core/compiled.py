@@ -27,6 +27,7 @@ class CompiledStep:
         buffer_names: original buffer names, in the order ``fn`` takes them.
         alias_of: for a tied parameter, each later name -> the first name.
         input_shapes: global shape of each user input, then each target.
+        input_dtypes: dtype of each user input, then each target.
         collective_counts: ``{(kind, axis name): count}`` of the collectives in ``gm``.
         mismatches: ops that ran with another placement than planned (each redistributed).
     """
@@ -37,5 +38,6 @@ class CompiledStep:
     buffer_names: list[str]
     alias_of: dict[str, str]
     input_shapes: list[tuple[int, ...]]
+    input_dtypes: list[torch.dtype] = field(default_factory=list)
     collective_counts: dict[tuple[str, str], int] = field(default_factory=dict)
     mismatches: list[str] = field(default_factory=list)

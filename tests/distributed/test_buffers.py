@@ -4,7 +4,7 @@ The traced step returns each updated buffer as an output, the plan places it as 
 and the compiled step writes it back, so after every step the buffers hold what the
 single-device model's hold. BatchNorm's statistics are over the global batch (as
 SyncBatchNorm computes them): DTensor's rule shards BatchNorm by channel or not at all.
-``state_dict()`` returns the model's own keys, global tensors.
+``state_dict()`` returns the model's own keys, DTensors with the plan's placements.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ def _cross_entropy(logits, labels):
 
 def _train(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
 
     import autopar
 
@@ -76,7 +77,9 @@ def _train(rank, world):
         losses.append((loss.item(), ref_loss.item()))
         opt.step()
         ref_opt.step()
-    got, want = pm.state_dict(), ref.state_dict()
+    sd, want = pm.state_dict(), ref.state_dict()
+    placed = {k: tuple(v.placements) for k, v in sd.items() if isinstance(v, DTensor)}
+    got = {k: v.full_tensor() for k, v in sd.items()}
     errors = {
         k: ((got[k].double() - v.double()).norm() / max(v.double().norm(), 1e-30)).item()
         for k, v in want.items()
@@ -87,6 +90,8 @@ def _train(rank, world):
         "shapes_equal": all(got[k].shape == v.shape for k, v in want.items()),
         "errors": errors,
         "buffer_placements": pm.plan.buffer_placements,
+        "param_placements": pm.plan.param_placements,
+        "placed": placed,
         "warnings": pm.plan.warnings,
     }
 
@@ -106,5 +111,7 @@ def test_batchnorm_running_statistics_match_single_device():
         assert r["errors"]["bn1.num_batches_tracked"] == 0.0
         assert r["warnings"] == ()
         # the budget shards something the buffers follow: the stored buffer is a shard, and
-        # state_dict() still returns it whole
+        # state_dict() holds it as a DTensor of the global shape
         assert any(Shard(0) in ps for ps in r["buffer_placements"].values()), r["buffer_placements"]
+        # every entry is a DTensor placed as the plan says
+        assert r["placed"] == {**r["param_placements"], **r["buffer_placements"]}
