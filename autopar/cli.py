@@ -19,7 +19,7 @@ import warnings
 from . import api
 from .core import Mesh, Plan, __version__
 from .models import EXAMPLES
-from .verify import build_example, verify
+from .verify import build_example, log_stages, verify
 
 __all__ = ["main", "plan_example"]
 
@@ -82,6 +82,7 @@ def plan_example(
 
 
 def cmd_plan(args) -> int:
+    log_stages()  # a line per pipeline stage as it ends: a long plan is not silent
     shape = args.mesh
     mesh = Mesh(shape, _axes(shape, args.axes), device=args.device)
     budget = None if args.memory_budget_mib is None else args.memory_budget_mib * 2**20
@@ -116,6 +117,7 @@ def cmd_demo(args) -> int:
         steps=args.steps,
         dtype=args.dtype,
         memory_fraction=args.memory_fraction,
+        progress=True,
     )
     r = reports[0]
     plan = Plan.from_json(r.plan_json)

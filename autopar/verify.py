@@ -13,6 +13,7 @@ import copy
 import importlib.util
 import logging
 import math
+import sys
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +29,14 @@ from .models import EXAMPLES
 from .passes.strategies import NoRuleWarning
 from .runtime import run_local
 
-__all__ = ["VerifyReport", "build_example", "verify", "verify_rank", "resolve_example"]
+__all__ = [
+    "VerifyReport",
+    "build_example",
+    "log_stages",
+    "resolve_example",
+    "verify",
+    "verify_rank",
+]
 
 
 @dataclass
@@ -125,6 +133,24 @@ def _cast(t, dtype):
     return t.to(dtype) if t.is_floating_point() else t
 
 
+class _Stderr(logging.StreamHandler):
+    """Writes to ``sys.stderr`` as it is when a record comes (not when made)."""
+
+    def emit(self, record):
+        self.stream = sys.stderr
+        super().emit(record)
+
+
+def log_stages() -> None:
+    """Send the ``autopar`` logger's stage lines to stderr, as they happen."""
+    log = logging.getLogger("autopar")
+    if not any(isinstance(h, _Stderr) for h in log.handlers):
+        handler = _Stderr()
+        handler.setFormatter(logging.Formatter("  %(message)s"))
+        log.addHandler(handler)
+    log.setLevel(logging.INFO)
+
+
 def verify_rank(
     rank: int,
     world_size: int,
@@ -138,9 +164,13 @@ def verify_rank(
     batch: int = 8,
     memory_fraction: float | None = None,
     ref_dtype: str | None = None,
+    progress: bool = False,
 ) -> VerifyReport:
     """``ref_dtype``: the single-device model runs in this dtype (a float32 control for a
-    bf16 run); default ``dtype``."""
+    bf16 run); default ``dtype``. ``progress``: rank 0 logs each pipeline stage as it ends
+    (the ``autopar`` logger, to stderr)."""
+    if progress and rank == 0:
+        log_stages()
     # NOTE: DTensor warns, once per rank, that a Partial on two axes takes two sequential
     # all-reduces; the plan priced them so (flattened multi-axis collectives are not planned
     # yet), and four copies of the warning say nothing to the person running this.
@@ -229,7 +259,9 @@ def verify(example: str, mesh_shape, axis_names, **kwargs) -> list[VerifyReport]
 
 
 def _args(kwargs):
-    order = ["steps", "dtype", "lr", "plan_json", "batch", "memory_fraction", "ref_dtype"]
+    order = [
+        "steps", "dtype", "lr", "plan_json", "batch", "memory_fraction", "ref_dtype", "progress",
+    ]  # fmt: skip
     defaults = {
         "steps": 3,
         "dtype": "float64",
@@ -238,5 +270,6 @@ def _args(kwargs):
         "batch": 8,
         "memory_fraction": None,
         "ref_dtype": None,
+        "progress": False,
     }
     return [kwargs.get(k, defaults[k]) for k in order]

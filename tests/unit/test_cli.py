@@ -42,7 +42,11 @@ def test_unknown_model_is_a_clear_error(capsys):
 
 def test_plan_reports_what_was_folded_and_no_fold_turns_it_off(capsys):
     assert main(["plan", "gpt", "--mesh", "2"]) == 0
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
+    # each stage says so as it ends (stderr): a long plan is not silent
+    for stage in ("trace", "fold", "strategies", "solve"):
+        assert f"autopar: {stage}" in captured.err, captured.err
     assert "folded: " in out and "2 x " in out and "blocks.{0,1}" in out
     assert main(["plan", "gpt", "--mesh", "2", "--no-fold"]) == 0
     assert "folded: " not in capsys.readouterr().out
