@@ -28,7 +28,14 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .core import Mesh, Plan
-from .passes.pipeline import COMPILE_STAGES, PLAN_STAGES, TRACE, PlanOptions, run_stages
+from .passes.pipeline import (
+    COMPILE_STAGES,
+    PLAN_STAGES,
+    REPORT_STAGES,
+    TRACE,
+    PlanOptions,
+    run_stages,
+)
 from .passes.trace import StepGraph
 from .runtime import ParallelModule, empty_local_shards, init_local_shards
 
@@ -43,11 +50,14 @@ class PlanMismatchError(ValueError):
     """A plan given to ``compile`` was made for another graph or mesh."""
 
 
-def _options(time_limit_s: float, memory_budget: float | None, fold: bool, skip) -> PlanOptions:
+def _options(
+    time_limit_s: float, memory_budget: float | None, fold: bool, skip, optimizer: str = "adamw"
+) -> PlanOptions:
     return PlanOptions(
         time_limit_s=time_limit_s,
         memory_budget=memory_budget,
         skip=frozenset(skip) | (frozenset() if fold else {"fold"}),
+        optimizer=optimizer,
     )
 
 
@@ -59,9 +69,10 @@ def plan_step(
     memory_budget: float | None = None,
     fold: bool = True,
     skip=(),
+    optimizer: str = "adamw",
 ) -> Plan:
     """Plan an already traced step graph: ``PLAN_STAGES``, then ``Plan.from_solution``."""
-    return _search(step, mesh, _options(time_limit_s, memory_budget, fold, skip))
+    return _search(step, mesh, _options(time_limit_s, memory_budget, fold, skip, optimizer))
 
 
 def _search(step: StepGraph, mesh: Mesh, options: PlanOptions, stats: dict | None = None) -> Plan:
@@ -73,9 +84,14 @@ def _search(step: StepGraph, mesh: Mesh, options: PlanOptions, stats: dict | Non
     with _gc_paused():
         run_stages(PLAN_STAGES, state, stats, skip=options.skip)
     stats["search_s"] = sum(stats.get(f"{name}_s", 0.0) for name in _SEARCH_STAGES)
-    return Plan.from_solution(
+    plan = Plan.from_solution(
         state["strategies"], state["solve"], fingerprint=step.fingerprint(), stats=stats
     )
+    state["plan"] = plan
+    report = run_stages(REPORT_STAGES, state, plan.stats, skip=options.skip)["memory"]
+    if report is not None:
+        plan.memory["step"] = report.to_dict()
+    return plan
 
 
 @contextlib.contextmanager
@@ -123,6 +139,7 @@ def plan(
     memory_budget: float | None = None,
     fold: bool = True,
     skip=(),
+    optimizer: str = "adamw",
 ) -> Plan:
     """Plan ``model`` for ``mesh`` without processes or weights (a meta model works).
 
@@ -130,13 +147,15 @@ def plan(
     ``fold``: give the instances of a repeated layer one set of choices (passes/fold);
     False plans every node on its own (slower, for comparison): the same as
     ``skip={"fold"}``. ``skip``: names of pipeline stages not to run (passes/pipeline).
+    ``optimizer``: whose state ``plan.memory["step"]`` counts (``adamw``, ``sgd_momentum``,
+    ``sgd``, ``none``).
     """
     if not isinstance(mesh, Mesh):
         raise TypeError(
             f"autopar.plan takes an autopar.Mesh, got {type(mesh).__name__}; "
             "for a torch DeviceMesh use autopar.Mesh.from_device_mesh(mesh)"
         )
-    options = _options(time_limit_s, memory_budget, fold, skip)
+    options = _options(time_limit_s, memory_budget, fold, skip, optimizer)
     stats: dict = {}
     with contextlib.ExitStack() as stack:
         step = _trace(model, example_inputs, loss_fn, example_targets, stack, stats)

@@ -13,6 +13,9 @@ to ``stats``. The pipeline of docs/architecture.md, as entries:
     strategies   trace, fold, mesh                       StrategySpace strategies
     solve        strategies, options                     Solution      the solver's (problem
                                                                        size, status, phases)
+    memory       trace, plan, options                    MemoryReport  step_peak_bytes
+                 (on the Plan assembled after solve;
+                 into plan.memory["step"])
     codegen      trace, plan, dmesh                      CompiledStep  local_nodes,
                                                                        local_collectives
 
@@ -20,7 +23,7 @@ to ``stats``. The pipeline of docs/architecture.md, as entries:
 ``stats["<name>_s"]`` and the stage's own statistics, and logs one line (logger
 ``autopar``). A stage named in ``skip`` does not run: its output is None and its statistics
 say so; only stages marked ``skippable`` may be skipped (``fold``: ``fold=False`` of the
-public API is ``skip={"fold"}``). A new stage is a new entry in a list (``PLAN_STAGES``,
+public API is ``skip={"fold"}``; ``memory``). A new stage is a new entry in a list (``PLAN_STAGES``,
 ``COMPILE_STAGES``), not an edit of the driver.
 """
 
@@ -37,6 +40,7 @@ from autopar.core import CompiledStep, Solution, StrategySpace
 
 from .codegen import codegen
 from .fold import FoldedGraph, fold_regions
+from .memory import OPTIMIZERS, MemoryReport, simulate
 from .solve import solve
 from .strategies import build_strategies
 from .trace import StepGraph, trace_step
@@ -44,6 +48,7 @@ from .trace import StepGraph, trace_step
 __all__ = [
     "COMPILE_STAGES",
     "PLAN_STAGES",
+    "REPORT_STAGES",
     "STAGE_NAMES",
     "TRACE",
     "PlanOptions",
@@ -65,9 +70,14 @@ class PlanOptions:
     """Bytes per rank for parameters, gradients and AdamW state (None: no bound)."""
 
     skip: frozenset[str] = frozenset()
-    """Names of stages not to run (only skippable ones: ``fold``)."""
+    """Names of stages not to run (only skippable ones: ``fold``, ``memory``)."""
+
+    optimizer: str = "adamw"
+    """Whose state the step memory counts (passes/memory.OPTIMIZERS)."""
 
     def __post_init__(self):
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer {self.optimizer!r}: one of {sorted(OPTIMIZERS)}")
         if self.time_limit_s <= 0:
             raise ValueError(f"time_limit_s must be > 0, got {self.time_limit_s}")
         if self.memory_budget is not None and self.memory_budget <= 0:
@@ -188,6 +198,14 @@ def _codegen_stats(compiled: CompiledStep | None) -> dict:
     }
 
 
+def _memory(state: dict) -> MemoryReport:
+    return simulate(state["trace"], state["plan"], optimizer=state["options"].optimizer)
+
+
+def _memory_stats(report: MemoryReport | None) -> dict:
+    return {} if report is None else {"step_peak_bytes": report.peak_bytes}
+
+
 TRACE = Stage("trace", _trace, _trace_stats)
 PLAN_STAGES = (
     Stage("fold", _fold, _fold_stats, skippable=True),
@@ -195,7 +213,9 @@ PLAN_STAGES = (
     Stage("solve", _solve, lambda sol: dict(sol.stats)),
 )
 """From a traced step to a solution: what ``autopar.plan`` runs after ``TRACE``."""
+REPORT_STAGES = (Stage("memory", _memory, _memory_stats, skippable=True),)
+"""On the assembled Plan: the step memory per rank (passes/memory), into ``plan.memory``."""
 COMPILE_STAGES = (Stage("codegen", _codegen, _codegen_stats),)
 """From a plan to the compiled local step: what ``autopar.compile`` runs after planning."""
-ALL_STAGES = (TRACE, *PLAN_STAGES, *COMPILE_STAGES)
+ALL_STAGES = (TRACE, *PLAN_STAGES, *REPORT_STAGES, *COMPILE_STAGES)
 STAGE_NAMES = tuple(s.name for s in ALL_STAGES)

@@ -116,7 +116,9 @@ class Plan:
         collectives: the collectives one step runs, predicted: dicts with ``edge``,
             ``kind``, ``axis`` (name), ``nbytes``, ``group_size``.
         cost: ``compute_s``, ``comm_s``, ``total_s`` and ``comm_by_kind_s``.
-        memory: ``param_bytes_per_rank`` and ``param_bytes_total``.
+        memory: ``param_bytes_per_rank`` and ``param_bytes_total``; ``step``: the step
+            memory per rank (passes/memory: ``peak_bytes``, ``peak_node``, ``at_peak`` by
+            category, ``optimizer``).
         warnings: ops replicated for lack of a rule, and similar notes.
         stats: planning statistics: problem size, solver status, and timings
             (``trace_s``, ``search_s`` and per stage ``*_s``).
@@ -265,6 +267,18 @@ class Plan:
             counts[key] = counts.get(key, 0) + 1
         return dict(sorted(counts.items()))
 
+    def _step_memory_lines(self) -> list[str]:
+        step = self.memory.get("step")
+        if not step:
+            return []
+        parts = ", ".join(
+            f"{k.replace('_', ' ')} {v / 2**20:.2f}" for k, v in step["at_peak"].items() if v
+        )
+        return [
+            f"step memory peak per rank: {step['peak_bytes'] / 2**20:.2f} MiB at "
+            f"{step['peak_node']} ({step['optimizer']}; MiB: {parts})"
+        ]
+
     def summary(self) -> str:
         """A readable table: parameters and their placements, the step's costs, the
         collectives per step, and the planning statistics."""
@@ -290,6 +304,7 @@ class Plan:
             f"communication {c.get('comm_s', 0) * 1e3:.4f} ms)",
             f"parameter memory per rank: {self.memory.get('param_bytes_per_rank', 0) / 2**20:.2f} MiB"
             f" of {self.memory.get('param_bytes_total', 0) / 2**20:.2f} MiB",
+            *self._step_memory_lines(),
             "collectives per step: "
             + (
                 ", ".join(f"{k}@{a} x{n}" for (k, a), n in self.collective_counts().items())

@@ -1,0 +1,113 @@
+"""The step memory simulator (passes/memory) against what the step really allocates.
+
+On one device the simulated peak must equal, to the byte, the peak of live storages when the
+traced step runs for real: an fx Interpreter frees each value after its last use (as the
+compiled step does) under a ``TorchDispatchMode`` that sees every tensor an op returns and
+counts a storage live while any tensor on it is alive. On a sharded plan, the parameter and
+optimizer bytes are the local shards'.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+import weakref
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import autopar
+from autopar.core import local_shape
+from autopar.models import EXAMPLES
+from autopar.passes.memory import CATEGORIES, simulate
+from autopar.passes.trace import trace_step
+
+
+class _LiveStorages(TorchDispatchMode):
+    """The peak bytes of storages alive while ops run (a storage is alive while any tensor
+    on it is)."""
+
+    def __init__(self):
+        super().__init__()
+        self.refs: dict[int, list] = {}
+        self.sizes: dict[int, int] = {}
+        self.peak = 0
+
+    def add(self, t) -> None:
+        if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr():
+            ptr = t.untyped_storage().data_ptr()
+            self.sizes[ptr] = t.untyped_storage().nbytes()
+            self.refs.setdefault(ptr, []).append(weakref.ref(t))
+
+    def live(self) -> int:
+        return sum(self.sizes[p] for p, rs in self.refs.items() if any(r() is not None for r in rs))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for o in out if isinstance(out, (tuple, list)) else [out]:
+            self.add(o)
+        self.peak = max(self.peak, self.live())
+        return out
+
+
+def _traced(name, mesh, **plan_kwargs):
+    torch.manual_seed(0)
+    model, inputs, loss_fn, targets = EXAMPLES[name]()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = autopar.plan(
+            model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, **plan_kwargs
+        )
+    stack = contextlib.ExitStack()
+    with stack:
+        step = trace_step(model, inputs, loss_fn=loss_fn, example_targets=targets, stack=stack)
+    return model, inputs, targets, plan, step
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt", "gpt-tied", "hf-llama"])
+def test_simulated_peak_is_the_measured_peak_on_one_device(name):
+    model, inputs, targets, plan, step = _traced(name, autopar.Mesh((1,), ("dp",), device="cpu"))
+    report = simulate(step, plan, optimizer="none")
+    params = [p.detach() for _, p in model.named_parameters(remove_duplicate=False)]
+    buffers = [b for _, b in model.named_buffers(remove_duplicate=False)]
+    tangent = [torch.ones(())] if step.has_loss else []
+    args = [*params, *buffers, *inputs, *targets, *tangent]
+    assert len(args) == len(step.placeholders())
+    seen = _LiveStorages()
+    for a in args[: len(args) - len(tangent)]:  # the tangent lives only until it is used
+        seen.add(a)
+    with torch.no_grad(), seen:
+        seen.peak = seen.live()
+        torch.fx.Interpreter(step.gm, garbage_collect_values=True).run(*args)
+    assert report.peak_bytes == seen.peak, (report.at_peak, seen.peak)
+    assert report.at_peak["optimizer_state"] == 0
+    assert sum(report.at_peak.values()) == report.peak_bytes
+    assert set(report.at_peak) == set(CATEGORIES)
+    assert report.at_peak["activations"] > 0  # the peak holds what the backward needs
+    assert max(total for _, total in report.timeline) == report.peak_bytes
+
+
+def test_sharded_parameters_and_adamw_state_are_the_local_shards():
+    mesh = autopar.Mesh((2, 2), ("dp", "tp"), device="h100")
+    model, _, _, _, _ = _traced("gpt", mesh)
+    full = sum(p.numel() * p.element_size() for p in model.parameters())
+    _, _, _, plan, step = _traced("gpt", mesh, memory_budget=4 * full * 0.5)
+    report = simulate(step, plan, optimizer="adamw")
+    named = dict(model.named_parameters())
+    local = {
+        n: math.prod(local_shape(tuple(named[n].shape), ps, mesh.shape))
+        for n, ps in plan.param_placements.items()
+        if n in named
+    }
+    assert sum(local.values()) < sum(p.numel() for p in model.parameters())  # it shards
+    assert report.at_peak["parameters"] == 4 * sum(local.values())  # float32
+    assert report.at_peak["optimizer_state"] == 2 * 4 * sum(local.values())
+    # the plan redistributes somewhere: a collective buffer is live at that node
+    assert plan.collectives
+    sgd = simulate(step, plan, optimizer="sgd")
+    assert sgd.at_peak["optimizer_state"] == 0
+    assert sgd.peak_bytes < report.peak_bytes
+    with pytest.raises(ValueError, match="optimizer 'lion'"):
+        simulate(step, plan, optimizer="lion")
