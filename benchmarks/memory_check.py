@@ -1,0 +1,148 @@
+"""Predicted step memory per rank (passes/memory) against the emitted step, measured.
+
+Each case compiles a zoo model on local gloo processes and runs AdamW steps. During the
+third step (optimizer state exists from the first), every rank measures the bytes of live
+storages: a ``TorchDispatchMode`` sees every tensor an op returns, and a storage counts as
+live while any tensor on it is alive (weak references); the parameters, their gradients and
+the optimizer state that exist when the step starts are counted from the start. Why this
+method: on CPU there is no allocator statistic (``torch.cuda.max_memory_allocated`` is
+CUDA's), the profiler's memory events need a trace per step, and storages are what a
+caching allocator would hold, less its rounding. It sees what the compiled step keeps for
+the backward (aot_autograd's partitioner may recompute instead of saving), collective
+outputs, and the optimizer's temporaries.
+
+    python benchmarks/memory_check.py [--check]      # --check: within 10% on every case
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from autopar.runtime import run_local
+
+TARGET = 0.10
+CASES = [
+    ("mlp", (2,), None),
+    ("mlp", (2, 2), 0.5),
+    ("gpt", (2,), None),
+    ("gpt", (2, 2), 0.5),
+    ("hf-llama", (2, 2), 0.5),
+]
+
+
+class LiveStorages(TorchDispatchMode):
+    """Peak bytes of live storages while ops run (see the module docstring)."""
+
+    def __init__(self):
+        super().__init__()
+        self.refs: dict[int, list] = {}
+        self.sizes: dict[int, int] = {}
+        self.peak = 0
+
+    def add(self, t) -> None:
+        if not isinstance(t, torch.Tensor) or t.is_meta:
+            return
+        try:
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+        except RuntimeError:  # a wrapper subclass (DTensor): its local tensor is counted
+            return
+        if ptr:
+            self.sizes[ptr] = storage.nbytes()
+            self.refs.setdefault(ptr, []).append(weakref.ref(t))
+
+    def live(self) -> int:
+        return sum(self.sizes[p] for p, rs in self.refs.items() if any(r() is not None for r in rs))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for o in out if isinstance(out, (tuple, list)) else [out]:
+            self.add(o)
+        self.peak = max(self.peak, self.live())
+        return out
+
+
+def _measure(rank, world, example, mesh_shape, fraction):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import autopar
+    from autopar.models import EXAMPLES
+
+    torch.manual_seed(0)
+    model, inputs, loss_fn, targets = EXAMPLES[example]()
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "tp")[: len(mesh_shape)])
+    full = sum(p.numel() * p.element_size() for p in model.parameters())
+    budget = None if fraction is None else 4 * full * fraction
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = autopar.compile(
+            model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, memory_budget=budget
+        )
+    local = pm.shard_inputs(*inputs, *targets)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, foreach=False)
+
+    def step():
+        pm(*local).backward()
+        opt.step()
+        opt.zero_grad()  # torch's default: to None, so gradients live from the backward on
+
+    for _ in range(2):
+        step()
+    seen = LiveStorages()
+    with torch.no_grad():  # to_local is then the DTensor's own local tensor, which lives on
+        for p in pm.parameters():
+            seen.add(p.to_local())
+            for v in opt.state[p].values():
+                seen.add(v.to_local() if hasattr(v, "to_local") else v)
+    for t in local:
+        seen.add(t)
+    with seen:
+        seen.peak = seen.live()
+        step()
+    return seen.peak, pm.plan.memory["step"]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--check", action="store_true", help=f"fail if off by more than {TARGET:.0%}")
+    args = ap.parse_args(argv)
+    from common import print_header
+
+    print_header(
+        "gloo on this machine; float32; AdamW; measured during the 3rd step, max over ranks",
+        ["model", "mesh", "budget", "predicted MiB", "measured MiB", "ratio", "peak at",
+         "predicted breakdown at peak (MiB)"],
+    )  # fmt: skip
+    worst = 0.0
+    for example, mesh_shape, fraction in CASES:
+        world = 1
+        for s in mesh_shape:
+            world *= s
+        results = run_local(_measure, world, example, mesh_shape, fraction)
+        measured = max(r[0] for r in results)
+        step = results[0][1]
+        predicted = step["peak_bytes"]
+        ratio = predicted / measured
+        worst = max(worst, abs(ratio - 1))
+        parts = ", ".join(f"{k} {v / 2**20:.2f}" for k, v in step["at_peak"].items() if v)
+        print(
+            f"| {example} | {'x'.join(map(str, mesh_shape))} | "
+            f"{'none' if fraction is None else f'{fraction:.0%} of replicated'} | "
+            f"{predicted / 2**20:.3f} | {measured / 2**20:.3f} | {ratio:.3f} | "
+            f"{step['peak_node']} | {parts} |",
+            flush=True,
+        )
+    if args.check and worst > TARGET:
+        print(f"\nFAIL: a prediction is off by {worst:.1%} > {TARGET:.0%}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
