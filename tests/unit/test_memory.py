@@ -66,7 +66,7 @@ def _traced(name, mesh, **plan_kwargs):
     return model, inputs, targets, plan, step
 
 
-@pytest.mark.parametrize("name", ["mlp", "gpt", "gpt-tied", "hf-llama"])
+@pytest.mark.parametrize("name", ["mlp", "gpt-tied", "hf-llama"])
 def test_simulated_peak_is_the_measured_peak_on_one_device(name):
     model, inputs, targets, plan, step = _traced(name, autopar.Mesh((1,), ("dp",), device="cpu"))
     report = simulate(step, plan, optimizer="none")
