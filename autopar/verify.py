@@ -15,6 +15,7 @@ import logging
 import math
 import sys
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,6 +23,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
+
+# NOTE: torch documents TorchDispatchMode under this private module and has no public alias
+# (tests/unit/test_torch_internals.py)
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import api
 from .core import Plan
@@ -131,6 +136,43 @@ def _rel_errors(got: dict, want: dict) -> tuple[float, str]:
 
 def _cast(t, dtype):
     return t.to(dtype) if t.is_floating_point() else t
+
+
+class LiveStorages(TorchDispatchMode):
+    """The peak bytes of storages alive while ops run, as a memory probe on any device.
+
+    Every tensor an op returns is seen (a ``TorchDispatchMode``); a storage counts as live
+    while any tensor on it is alive (weak references). ``add`` what exists before (the
+    parameters, the optimizer state, the batch); ``peak`` is the most seen at once. Wrapper
+    subclasses (DTensor) have no storage of their own: their local tensors are counted."""
+
+    def __init__(self):
+        super().__init__()
+        self.refs: dict[int, list] = {}
+        self.sizes: dict[int, int] = {}
+        self.peak = 0
+
+    def add(self, t) -> None:
+        if not isinstance(t, torch.Tensor) or t.is_meta:
+            return
+        try:
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+        except RuntimeError:  # a wrapper subclass (DTensor): its local tensor is counted
+            return
+        if ptr:
+            self.sizes[ptr] = storage.nbytes()
+            self.refs.setdefault(ptr, []).append(weakref.ref(t))
+
+    def live(self) -> int:
+        return sum(self.sizes[p] for p, rs in self.refs.items() if any(r() is not None for r in rs))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for o in out if isinstance(out, (tuple, list)) else [out]:
+            self.add(o)
+        self.peak = max(self.peak, self.live())
+        return out
 
 
 class _Stderr(logging.StreamHandler):

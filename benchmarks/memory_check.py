@@ -19,12 +19,11 @@ from __future__ import annotations
 import argparse
 import sys
 import warnings
-import weakref
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.runtime import run_local
+from autopar.verify import LiveStorages
 
 TARGET = 0.10
 CASES = [
@@ -34,38 +33,6 @@ CASES = [
     ("gpt", (2, 2), 0.5),
     ("hf-llama", (2, 2), 0.5),
 ]
-
-
-class LiveStorages(TorchDispatchMode):
-    """Peak bytes of live storages while ops run (see the module docstring)."""
-
-    def __init__(self):
-        super().__init__()
-        self.refs: dict[int, list] = {}
-        self.sizes: dict[int, int] = {}
-        self.peak = 0
-
-    def add(self, t) -> None:
-        if not isinstance(t, torch.Tensor) or t.is_meta:
-            return
-        try:
-            storage = t.untyped_storage()
-            ptr = storage.data_ptr()
-        except RuntimeError:  # a wrapper subclass (DTensor): its local tensor is counted
-            return
-        if ptr:
-            self.sizes[ptr] = storage.nbytes()
-            self.refs.setdefault(ptr, []).append(weakref.ref(t))
-
-    def live(self) -> int:
-        return sum(self.sizes[p] for p, rs in self.refs.items() if any(r() is not None for r in rs))
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for o in out if isinstance(out, (tuple, list)) else [out]:
-            self.add(o)
-        self.peak = max(self.peak, self.live())
-        return out
 
 
 def _measure(rank, world, example, mesh_shape, fraction):

@@ -12,44 +12,16 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
-import weakref
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import autopar
 from autopar.core import local_shape
 from autopar.models import EXAMPLES
 from autopar.passes.memory import CATEGORIES, simulate
 from autopar.passes.trace import trace_step
-
-
-class _LiveStorages(TorchDispatchMode):
-    """The peak bytes of storages alive while ops run (a storage is alive while any tensor
-    on it is)."""
-
-    def __init__(self):
-        super().__init__()
-        self.refs: dict[int, list] = {}
-        self.sizes: dict[int, int] = {}
-        self.peak = 0
-
-    def add(self, t) -> None:
-        if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr():
-            ptr = t.untyped_storage().data_ptr()
-            self.sizes[ptr] = t.untyped_storage().nbytes()
-            self.refs.setdefault(ptr, []).append(weakref.ref(t))
-
-    def live(self) -> int:
-        return sum(self.sizes[p] for p, rs in self.refs.items() if any(r() is not None for r in rs))
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for o in out if isinstance(out, (tuple, list)) else [out]:
-            self.add(o)
-        self.peak = max(self.peak, self.live())
-        return out
+from autopar.verify import LiveStorages
 
 
 def _traced(name, mesh, **plan_kwargs):
@@ -75,7 +47,7 @@ def test_simulated_peak_is_the_measured_peak_on_one_device(name):
     tangent = [torch.ones(())] if step.has_loss else []
     args = [*params, *buffers, *inputs, *targets, *tangent]
     assert len(args) == len(step.placeholders())
-    seen = _LiveStorages()
+    seen = LiveStorages()
     for a in args[: len(args) - len(tangent)]:  # the tangent lives only until it is used
         seen.add(a)
     with torch.no_grad(), seen:

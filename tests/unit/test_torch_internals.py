@@ -48,3 +48,20 @@ def test_aot_joint_state_codegen_swaps_for_the_local_graph():
 def test_default_store_of_the_process_group():
     # autopar.api._plan_on_rank0 sends the plan through the default group's store
     assert callable(dist.distributed_c10d._get_default_store)
+
+
+def test_dispatch_mode_the_memory_probe_subclasses():
+    # autopar.verify.LiveStorages counts every op's outputs through it
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    assert hasattr(TorchDispatchMode, "__torch_dispatch__")
+    seen = []
+
+    class Probe(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Probe():
+        torch.ones(2) + 1
+    assert torch.ops.aten.add.Tensor in seen
