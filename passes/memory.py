@@ -26,7 +26,10 @@ in the backward: saved for it), ``temporaries`` (every other op output, and the 
 SGD with momentum one, none zero; constant over the step).
 
 What it leaves out: the allocator's rounding and fragmentation, and kernels' own workspace.
-Not yet: mixed precision (issue 11) and a bound in the ILP; this is the report.
+Where it can be off: the emitted step runs aot_autograd's partitioned forward and backward,
+whose backward order (and what it saves rather than recomputes) can differ from the joint
+graph walked here; benchmarks/memory_check.py measures by how much. Not yet: mixed precision,
+and a bound in the ILP (the budget still counts 4 x parameter bytes); this is the report.
 """
 
 from __future__ import annotations
