@@ -39,7 +39,7 @@ from .passes.pipeline import (
 from .passes.trace import StepGraph
 from .runtime import ParallelModule, empty_local_shards, init_local_shards
 
-__all__ = ["plan", "compile", "plan_step", "PlanMismatchError"]
+__all__ = ["plan", "compile", "plan_step", "PlanMismatchError", "replicated_state_bytes"]
 
 log = logging.getLogger("autopar")
 
@@ -48,6 +48,13 @@ _SEARCH_STAGES = tuple(s.name for s in PLAN_STAGES)
 
 class PlanMismatchError(ValueError):
     """A plan given to ``compile`` was made for another graph or mesh."""
+
+
+def replicated_state_bytes(model: nn.Module) -> int:
+    """What ``memory_budget`` counts for the whole model on one rank: its parameters, their
+    gradients and AdamW's two moments, 4 x the parameter bytes. A budget of ``f`` times this
+    asks the plan to shard all but ``f`` of it."""
+    return 4 * sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 def _options(

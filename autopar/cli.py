@@ -63,8 +63,7 @@ def plan_example(
     """
     model, inputs, loss_fn, targets = build_example(name, batch=batch)
     if memory_fraction is not None:
-        full = sum(p.numel() * p.element_size() for p in model.parameters())
-        memory_budget = 4 * full * memory_fraction
+        memory_budget = memory_fraction * api.replicated_state_bytes(model)
     model = model.to("meta")
     inputs = tuple(t.to("meta") for t in inputs)
     targets = tuple(t.to("meta") for t in targets)

@@ -232,8 +232,7 @@ def verify_rank(
     plan = Plan.from_json(plan_json) if plan_json else None
     budget = None
     if memory_fraction is not None:
-        full = sum(p.numel() * p.element_size() for p in model.parameters())
-        budget = 4 * full * memory_fraction
+        budget = memory_fraction * api.replicated_state_bytes(model)
     with warnings.catch_warnings():
         # ops without a rule are listed in the plan's warnings; one copy per rank is noise
         warnings.simplefilter("ignore", NoRuleWarning)

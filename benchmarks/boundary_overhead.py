@@ -45,7 +45,6 @@ def _bench(rank, world, mesh_shape, layers, hidden, seq, batch, reps):
     model = GPT(cfg)
     tokens, targets = lm_batch(cfg.vocab, batch, cfg.seq)
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "tp")[: len(mesh_shape)])
-    full = sum(p.numel() * p.element_size() for p in model.parameters())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         pm = autopar.compile(
@@ -54,7 +53,7 @@ def _bench(rank, world, mesh_shape, layers, hidden, seq, batch, reps):
             (tokens,),
             loss_fn=cross_entropy_loss,
             example_targets=(targets,),
-            memory_budget=4 * full * 0.5,
+            memory_budget=0.5 * autopar.replicated_state_bytes(model),
         )
     batch_local = pm.shard_inputs(tokens, targets)
     names = pm.compiled.param_names

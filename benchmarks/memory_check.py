@@ -44,8 +44,7 @@ def _measure(rank, world, example, mesh_shape, fraction):
     torch.manual_seed(0)
     model, inputs, loss_fn, targets = EXAMPLES[example]()
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "tp")[: len(mesh_shape)])
-    full = sum(p.numel() * p.element_size() for p in model.parameters())
-    budget = None if fraction is None else 4 * full * fraction
+    budget = None if fraction is None else fraction * autopar.replicated_state_bytes(model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         pm = autopar.compile(

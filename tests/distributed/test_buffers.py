@@ -52,7 +52,6 @@ def _train(rank, world):
     x = torch.randn(8, 3, 8, 8, dtype=torch.float64)
     labels = torch.randint(0, 10, (8,))
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    full = sum(p.numel() * p.element_size() for p in model.parameters())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         pm = autopar.compile(
@@ -61,7 +60,7 @@ def _train(rank, world):
             (x,),
             loss_fn=_cross_entropy,
             example_targets=(labels,),
-            memory_budget=4 * full * 0.5,
+            memory_budget=0.5 * autopar.replicated_state_bytes(model),
         )
     local = pm.shard_inputs(x, labels)
     opt = torch.optim.SGD(pm.parameters(), lr=0.1)

@@ -27,9 +27,7 @@ def _compiled_mlp(plan=None, fraction=None):
     torch.manual_seed(0)
     model, inputs, loss_fn, targets = EXAMPLES["mlp"]()
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
-    budget = (
-        None if fraction is None else 4 * fraction * sum(p.numel() * 4 for p in model.parameters())
-    )
+    budget = None if fraction is None else fraction * autopar.replicated_state_bytes(model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         pm = autopar.compile(
@@ -80,7 +78,7 @@ def test_ranks_given_different_plans_all_raise(tmp_path):
     model, inputs, loss_fn, targets = EXAMPLES["mlp"]()
     mesh = autopar.Mesh((2,), ("dp",), device="cpu")
     paths = []
-    for i, budget in enumerate([None, 4 * 0.6 * sum(p.numel() * 4 for p in model.parameters())]):
+    for i, budget in enumerate([None, 0.6 * autopar.replicated_state_bytes(model)]):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             plan = autopar.plan(

@@ -42,7 +42,6 @@ def _gpt(seed: int) -> GPT:
 def _compile(model, mesh, tokens, targets, fraction: float):
     """Compile with a budget of ``fraction`` of replicated parameter state, so that the plan
     shards parameters (each rank then holds different parts)."""
-    full = sum(p.numel() * p.element_size() for p in model.parameters())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return autopar.compile(
@@ -51,7 +50,7 @@ def _compile(model, mesh, tokens, targets, fraction: float):
             (tokens,),
             loss_fn=cross_entropy_loss,
             example_targets=(targets,),
-            memory_budget=4 * full * fraction,
+            memory_budget=fraction * autopar.replicated_state_bytes(model),
         )
 
 

@@ -64,8 +64,8 @@ def test_simulated_peak_is_the_measured_peak_on_one_device(name):
 def test_sharded_parameters_and_adamw_state_are_the_local_shards():
     mesh = autopar.Mesh((2, 2), ("dp", "tp"), device="h100")
     model, _, _, _, _ = _traced("gpt", mesh)
-    full = sum(p.numel() * p.element_size() for p in model.parameters())
-    _, _, _, plan, step = _traced("gpt", mesh, memory_budget=4 * full * 0.5)
+    budget = 0.5 * autopar.replicated_state_bytes(model)
+    _, _, _, plan, step = _traced("gpt", mesh, memory_budget=budget)
     report = simulate(step, plan, optimizer="adamw")
     named = dict(model.named_parameters())
     local = {
