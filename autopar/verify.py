@@ -143,16 +143,25 @@ class LiveStorages(TorchDispatchMode):
 
     Every tensor an op returns is seen (a ``TorchDispatchMode``); a storage counts as live
     while any tensor on it is alive (weak references). ``add`` what exists before (the
-    parameters, the optimizer state, the batch); ``peak`` is the most seen at once. Wrapper
-    subclasses (DTensor) have no storage of their own: their local tensors are counted."""
+    parameters, the optimizer state, the batch): it is held for the probe's life, because
+    the tensor handed in may be a fresh view (``DTensor.to_local()``) that would die at
+    once while its storage lives on. ``peak`` is the most seen at once. Wrapper subclasses
+    (DTensor) have no storage of their own: their local tensors are counted."""
 
     def __init__(self):
         super().__init__()
         self.refs: dict[int, list] = {}
         self.sizes: dict[int, int] = {}
+        self.held: list[torch.Tensor] = []
         self.peak = 0
 
     def add(self, t) -> None:
+        """Count ``t``'s storage from now on, for as long as the probe lives."""
+        if isinstance(t, torch.Tensor):
+            self.held.append(t)
+        self._see(t)
+
+    def _see(self, t) -> None:
         if not isinstance(t, torch.Tensor) or t.is_meta:
             return
         try:
@@ -170,7 +179,7 @@ class LiveStorages(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for o in out if isinstance(out, (tuple, list)) else [out]:
-            self.add(o)
+            self._see(o)
         self.peak = max(self.peak, self.live())
         return out
 
