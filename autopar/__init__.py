@@ -6,7 +6,7 @@ plans per-operator sharding over the mesh with an ILP on a cost model, and retur
 processes or weights.
 """
 
-from .api import PlanMismatchError, compile, plan, plan_step, replicated_state_bytes
+from .api import PlanMismatchError, compile, plan, plan_step
 from .core import Mesh, NodeChoice, Plan, __version__
 from .runtime import ParallelModule, PeerLostError
 
@@ -20,6 +20,5 @@ __all__ = [
     "compile",
     "plan",
     "plan_step",
-    "replicated_state_bytes",
     "__version__",
 ]

@@ -39,7 +39,7 @@ from .passes.pipeline import (
 from .passes.trace import StepGraph
 from .runtime import ParallelModule, empty_local_shards, init_local_shards
 
-__all__ = ["plan", "compile", "plan_step", "PlanMismatchError", "replicated_state_bytes"]
+__all__ = ["plan", "compile", "plan_step", "PlanMismatchError"]
 
 log = logging.getLogger("autopar")
 
@@ -50,19 +50,18 @@ class PlanMismatchError(ValueError):
     """A plan given to ``compile`` was made for another graph or mesh."""
 
 
-def replicated_state_bytes(model: nn.Module) -> int:
-    """What ``memory_budget`` counts for the whole model on one rank: its parameters, their
-    gradients and AdamW's two moments, 4 x the parameter bytes. A budget of ``f`` times this
-    asks the plan to shard all but ``f`` of it."""
-    return 4 * sum(p.numel() * p.element_size() for p in model.parameters())
-
-
 def _options(
-    time_limit_s: float, memory_budget: float | None, fold: bool, skip, optimizer: str = "adamw"
+    time_limit_s: float,
+    memory_budget: float | None,
+    fold: bool,
+    skip,
+    optimizer: str = "adamw",
+    memory_fraction: float | None = None,
 ) -> PlanOptions:
     return PlanOptions(
         time_limit_s=time_limit_s,
         memory_budget=memory_budget,
+        memory_fraction=memory_fraction,
         skip=frozenset(skip) | (frozenset() if fold else {"fold"}),
         optimizer=optimizer,
     )
@@ -77,9 +76,11 @@ def plan_step(
     fold: bool = True,
     skip=(),
     optimizer: str = "adamw",
+    memory_fraction: float | None = None,
 ) -> Plan:
     """Plan an already traced step graph: ``PLAN_STAGES``, then ``Plan.from_solution``."""
-    return _search(step, mesh, _options(time_limit_s, memory_budget, fold, skip, optimizer))
+    options = _options(time_limit_s, memory_budget, fold, skip, optimizer, memory_fraction)
+    return _search(step, mesh, options)
 
 
 def _search(step: StepGraph, mesh: Mesh, options: PlanOptions, stats: dict | None = None) -> Plan:
@@ -147,14 +148,19 @@ def plan(
     fold: bool = True,
     skip=(),
     optimizer: str = "adamw",
+    memory_fraction: float | None = None,
 ) -> Plan:
     """Plan ``model`` for ``mesh`` without processes or weights (a meta model works).
 
-    ``memory_budget``: bytes per rank for parameters, gradients and AdamW state.
+    ``memory_budget``: the most bytes one rank may hold at any point of the step (its
+    parameters, gradients, optimizer state, saved activations, temporaries, collective
+    buffers and batch; passes/memory). Default: the device profile's usable memory
+    (``mem_capacity - mem_reserve``); ``math.inf`` for no bound. ``memory_fraction``:
+    instead, this fraction of what one device holds running the whole step.
     ``fold``: give the instances of a repeated layer one set of choices (passes/fold);
     False plans every node on its own (slower, for comparison): the same as
     ``skip={"fold"}``. ``skip``: names of pipeline stages not to run (passes/pipeline).
-    ``optimizer``: whose state ``plan.memory["step"]`` counts (``adamw``, ``sgd_momentum``,
+    ``optimizer``: whose state the step memory counts (``adamw``, ``sgd_momentum``,
     ``sgd``, ``none``).
     """
     if not isinstance(mesh, Mesh):
@@ -162,7 +168,7 @@ def plan(
             f"autopar.plan takes an autopar.Mesh, got {type(mesh).__name__}; "
             "for a torch DeviceMesh use autopar.Mesh.from_device_mesh(mesh)"
         )
-    options = _options(time_limit_s, memory_budget, fold, skip, optimizer)
+    options = _options(time_limit_s, memory_budget, fold, skip, optimizer, memory_fraction)
     stats: dict = {}
     with contextlib.ExitStack() as stack:
         step = _trace(model, example_inputs, loss_fn, example_targets, stack, stats)
@@ -242,6 +248,8 @@ def compile(  # noqa: A001 - the documented name
     device: str | None = None,
     time_limit_s: float = 600.0,
     memory_budget: float | None = None,
+    memory_fraction: float | None = None,
+    optimizer: str = "adamw",
     fold: bool = True,
     skip=(),
     init_weights: Callable[[nn.Module], None] | None = None,
@@ -253,8 +261,8 @@ def compile(  # noqa: A001 - the documented name
     ``pm(*local_inputs, *local_targets)`` returns the global loss on every rank; without it,
     ``pm(*local_inputs)`` returns the outputs of the local batch. ``plan`` (a ``Plan`` or the
     path of its JSON) skips planning. ``device`` names the cost profile (default: h100 on
-    cuda, cpu otherwise). ``memory_budget``: bytes per rank for parameters, gradients and
-    AdamW state. ``fold``, ``skip``: as in ``plan``. The codegen stage's time and size are
+    cuda, cpu otherwise). ``memory_budget``, ``memory_fraction``, ``optimizer``, ``fold``,
+    ``skip``: as in ``plan``. The codegen stage's time and size are
     in ``pm.stats``.
 
     A model on the meta device is materialized as this rank's shards only (runtime/init):
@@ -273,7 +281,7 @@ def compile(  # noqa: A001 - the documented name
     if init_weights is not None and checkpoint is not None:
         raise ValueError("pass init_weights or checkpoint, not both")
     amesh = Mesh.from_device_mesh(mesh, device)
-    options = _options(time_limit_s, memory_budget, fold, skip)
+    options = _options(time_limit_s, memory_budget, fold, skip, optimizer, memory_fraction)
     if isinstance(plan, (str, Path)):
         plan = Plan.load(plan)
     if plan is not None:

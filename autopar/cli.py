@@ -58,12 +58,10 @@ def plan_example(
 ):
     """Plan a zoo example (or ``file.py:factory``) on the meta device for ``mesh``.
 
-    ``memory_fraction`` sets the memory budget to that fraction of the whole model's
-    parameter state (parameters, gradients, AdamW moments).
+    ``memory_fraction`` sets the memory budget to that fraction of what one device holds
+    running the whole step.
     """
     model, inputs, loss_fn, targets = build_example(name, batch=batch)
-    if memory_fraction is not None:
-        memory_budget = memory_fraction * api.replicated_state_bytes(model)
     model = model.to("meta")
     inputs = tuple(t.to("meta") for t in inputs)
     targets = tuple(t.to("meta") for t in targets)
@@ -76,6 +74,7 @@ def plan_example(
             loss_fn=loss_fn,
             example_targets=targets,
             memory_budget=memory_budget,
+            memory_fraction=memory_fraction,
             fold=fold,
         )
 
@@ -90,6 +89,7 @@ def cmd_plan(args) -> int:
         mesh,
         batch=args.batch,
         memory_budget=budget,
+        memory_fraction=args.memory_fraction,
         verbose=args.verbose,
         fold=not args.no_fold,
     )
@@ -106,7 +106,8 @@ def cmd_demo(args) -> int:
     print(
         f"autopar demo: planning '{args.model}' for mesh {'x'.join(map(str, shape))} "
         f"{names} and training {args.steps} AdamW steps on local gloo processes "
-        f"({args.dtype}); parameter memory budget {args.memory_fraction:.0%} of the model's",
+        f"({args.dtype}); memory budget per rank {args.memory_fraction:.0%} of what one device "
+        "holds for the step",
         flush=True,
     )
     reports = verify(
@@ -172,7 +173,14 @@ def main(argv=None) -> int:
         "--memory-budget-mib",
         type=_positive,
         default=None,
-        help="per-rank budget for parameters, gradients and AdamW state",
+        help="the most MiB one rank may hold at any point of the step (default: the "
+        "device profile's usable memory)",
+    )
+    pp.add_argument(
+        "--memory-fraction",
+        type=_positive,
+        default=None,
+        help="instead, a fraction of what one device holds running the whole step",
     )
     pp.add_argument(
         "--no-fold", action="store_true", help="plan every layer on its own (no folding)"
@@ -198,7 +206,7 @@ def main(argv=None) -> int:
         "--memory-fraction",
         type=_positive,
         default=0.5,
-        help="parameter memory budget per rank, as a fraction of the whole model's",
+        help="memory budget per rank, as a fraction of what one device holds for the step",
     )
     pd.set_defaults(fn=cmd_demo)
 

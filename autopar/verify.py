@@ -239,9 +239,6 @@ def verify_rank(
 
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=axis_names)
     plan = Plan.from_json(plan_json) if plan_json else None
-    budget = None
-    if memory_fraction is not None:
-        budget = memory_fraction * api.replicated_state_bytes(model)
     with warnings.catch_warnings():
         # ops without a rule are listed in the plan's warnings; one copy per rank is noise
         warnings.simplefilter("ignore", NoRuleWarning)
@@ -252,7 +249,7 @@ def verify_rank(
             loss_fn=loss_fn,
             example_targets=targets,
             plan=plan,
-            memory_budget=budget,
+            memory_fraction=memory_fraction,
         )
     local = pm.shard_inputs(*inputs, *targets)
 

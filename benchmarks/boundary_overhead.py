@@ -53,7 +53,7 @@ def _bench(rank, world, mesh_shape, layers, hidden, seq, batch, reps):
             (tokens,),
             loss_fn=cross_entropy_loss,
             example_targets=(targets,),
-            memory_budget=0.5 * autopar.replicated_state_bytes(model),
+            memory_fraction=0.5,
         )
     batch_local = pm.shard_inputs(tokens, targets)
     names = pm.compiled.param_names

@@ -44,11 +44,10 @@ def _measure(rank, world, example, mesh_shape, fraction):
     torch.manual_seed(0)
     model, inputs, loss_fn, targets = EXAMPLES[example]()
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "tp")[: len(mesh_shape)])
-    budget = None if fraction is None else fraction * autopar.replicated_state_bytes(model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         pm = autopar.compile(
-            model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, memory_budget=budget
+            model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, memory_fraction=fraction
         )
     local = pm.shard_inputs(*inputs, *targets)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, foreach=False)
@@ -99,7 +98,7 @@ def main(argv=None) -> int:
         parts = ", ".join(f"{k} {v / 2**20:.2f}" for k, v in step["at_peak"].items() if v)
         print(
             f"| {example} | {'x'.join(map(str, mesh_shape))} | "
-            f"{'none' if fraction is None else f'{fraction:.0%} of replicated'} | "
+            f"{'none' if fraction is None else f'{fraction:.0%} of one device'} | "
             f"{predicted / 2**20:.3f} | {measured / 2**20:.3f} | {ratio:.3f} | "
             f"{step['peak_node']} | {parts} |",
             flush=True,

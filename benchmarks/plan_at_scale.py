@@ -1,12 +1,14 @@
 """Plan Llama-3-8B and a GPT-3-like 96-layer model from the meta device, end to end.
 
     python benchmarks/plan_at_scale.py [--models llama3-8b,gpt3] [--meshes 8,8x8,16x8]
-        [--memory-gib 64] [--no-fold]
+        [--memory-gib G] [--no-fold]
 
 No weights are allocated (``autopar.models.llama3_8b`` / ``gpt3``, batch 8 x 2048 tokens).
 "plan s" is the wall time of ``autopar.plan`` (tracing included); the stage columns come
-from ``plan.stats``. ``--memory-gib`` is the per-rank budget for parameters, gradients and
-AdamW state (fp32); a mesh on which the model cannot fit says so.
+from ``plan.stats``. ``--memory-gib`` is the per-rank budget for the step's peak (passes/memory:
+parameters, gradients, AdamW state, activations, temporaries, collective buffers; default:
+the device profile's usable memory); a mesh on which the model cannot fit says so, with
+the smallest budget that would.
 """
 
 from __future__ import annotations
@@ -27,12 +29,13 @@ def main() -> None:
     ap.add_argument("--models", default="llama3-8b,gpt3")
     ap.add_argument("--meshes", default="8,8x8,16x8")
     ap.add_argument("--device", default="h100")
-    ap.add_argument("--memory-gib", type=float, default=64.0)
+    ap.add_argument("--memory-gib", type=float, default=None)
     ap.add_argument("--no-fold", action="store_true")
     args = ap.parse_args()
     print_header(
-        f"profile {args.device}; fold {not args.no_fold}; "
-        f"parameter-state budget {args.memory_gib} GiB per rank",
+        f"profile {args.device}; fold {not args.no_fold}; step memory budget "
+        + ("the profile's usable memory" if args.memory_gib is None else f"{args.memory_gib} GiB")
+        + " per rank; AdamW",
         [
             "model",
             "mesh",
@@ -46,7 +49,10 @@ def main() -> None:
             "solve s",
             "plan s",
             "est. step ms",
-            "param state GiB/rank",
+            "budget GiB",
+            "peak GiB/rank",
+            "cuts",
+            "at the peak (GiB)",
         ],
     )
     warnings.simplefilter("ignore")
@@ -63,7 +69,7 @@ def main() -> None:
                     inputs,
                     loss_fn=loss_fn,
                     example_targets=targets,
-                    memory_budget=args.memory_gib * 2**30,
+                    memory_budget=None if args.memory_gib is None else args.memory_gib * 2**30,
                     fold=not args.no_fold,
                 )
             except SolveError as e:
@@ -72,12 +78,16 @@ def main() -> None:
                 continue
             wall = time.perf_counter() - t0
             st = plan.stats
-            state = 4 * plan.memory["param_bytes_per_rank"] / 2**30
+            step = plan.memory["step"]
+            parts = ", ".join(
+                f"{k.replace('_', ' ')} {v / 2**30:.1f}" for k, v in step["at_peak"].items() if v
+            )
             print(
                 f"| {name} | {text} | {st['nodes']} | {st['solver_nodes']} | {st['variables']} "
                 f"| {st['trace_s']:.1f} | {st['fold_s']:.2f} | {st['strategies_s']:.1f} "
                 f"| {st['cost_s'] + st['build_s']:.1f} | {st['ilp_s']:.1f} | {wall:.1f} "
-                f"| {plan.cost['total_s'] * 1e3:.0f} | {state:.1f} |",
+                f"| {plan.cost['total_s'] * 1e3:.0f} | {st['memory_budget'] / 2**30:.1f} "
+                f"| {step['peak_bytes'] / 2**30:.1f} | {st['memory_cuts']} | {parts} |",
                 flush=True,
             )
 

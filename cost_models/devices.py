@@ -47,6 +47,12 @@ class DeviceProfile:
     mem_capacity: float
     """Device memory capacity in bytes."""
 
+    mem_reserve: float
+    """Bytes of ``mem_capacity`` a plan may not count on: the CUDA context, the workspaces of
+    NCCL and the GEMM libraries, and the caching allocator's rounding and fragmentation,
+    none of which the step memory model (passes/memory) sees. ``usable_memory`` is the rest:
+    the default memory budget per rank."""
+
     ranks_per_node: int
     """Ranks (devices) in one node; mesh axes whose ranks fit in one node use the intra-node
     link (``comm.axis_link``)."""
@@ -84,6 +90,7 @@ class DeviceProfile:
             "peak_flops": min(f for _, f in self.peak_flops),
             "mem_bandwidth": self.mem_bandwidth,
             "mem_capacity": self.mem_capacity,
+            "usable_memory": self.usable_memory,
             "ranks_per_node": self.ranks_per_node,
             "intra_node_bandwidth": self.intra_node_bandwidth,
             "inter_node_bandwidth": self.inter_node_bandwidth,
@@ -94,6 +101,11 @@ class DeviceProfile:
         for field in ("intra_node_latency", "inter_node_latency", "kernel_launch"):
             if getattr(self, field) < 0:
                 raise ValueError(f"profile {self.name!r}: {field} must be >= 0")
+
+    @property
+    def usable_memory(self) -> float:
+        """``mem_capacity - mem_reserve``: the default memory budget per rank."""
+        return self.mem_capacity - self.mem_reserve
 
     def flops_for(self, dtype: torch.dtype) -> float:
         """Peak FLOP/s for ``dtype``; dtypes without an entry (ints, bool, ...) use float32's."""
@@ -142,6 +154,9 @@ PROFILES: dict[str, DeviceProfile] = {
         # NOTE: the datasheet's 80 GB; nvidia-smi reports 81559 MiB (~85.5e9 bytes) total, of
         # which the CUDA context and allocator fragmentation take some, so 80e9 is a usable bound.
         mem_capacity=80e9,
+        # estimate: CUDA context ~0.5 GB, NCCL and cuBLAS workspaces ~1.5 GB, allocator
+        # fragmentation ~2 GB (5% of a full card): 76 GB (70.8 GiB) left to the step
+        mem_reserve=4e9,
         ranks_per_node=8,  # HGX/DGX H100: 8 GPUs per node
         intra_node_latency=3e-6,  # estimate: one NCCL ring step over NVLink, a few us
         intra_node_bandwidth=450e9,  # NVLink4: 900 GB/s bidirectional = 450 GB/s each way
@@ -160,6 +175,7 @@ PROFILES: dict[str, DeviceProfile] = {
         ),
         mem_bandwidth=1e10,  # a few channels of DDR shared by the ranks of the box
         mem_capacity=16e9,
+        mem_reserve=2e9,  # estimate: the interpreter, torch, gloo's buffers
         # NOTE: a CPU test runs all its gloo ranks on one box, so every axis is "intra-node".
         ranks_per_node=64,
         intra_node_latency=2e-5,  # gloo over loopback TCP, tens of us per message

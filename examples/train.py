@@ -65,7 +65,7 @@ def main() -> None:
         "--memory-fraction",
         type=float,
         default=0.5,
-        help="memory budget as a fraction of replicated parameter state",
+        help="memory budget per rank, as a fraction of what one device holds for the step",
     )
     args = ap.parse_args()
 
@@ -83,7 +83,6 @@ def main() -> None:
     with torch.device("meta"):
         model = GPT(cfg)
     tokens = torch.empty(args.batch, cfg.seq, dtype=torch.long, device="meta")
-    budget = 16 * sum(p.numel() for p in model.parameters()) * args.memory_fraction
     torch.manual_seed(0)  # the same on every rank: every rank draws the same weights
     pm = autopar.compile(
         model,
@@ -91,7 +90,7 @@ def main() -> None:
         (tokens,),
         loss_fn=cross_entropy_loss,
         example_targets=(tokens,),
-        memory_budget=budget,
+        memory_fraction=args.memory_fraction,
     )
     opt = torch.optim.AdamW(pm.parameters(), lr=args.lr, fused=cuda)
 

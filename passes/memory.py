@@ -1,22 +1,30 @@
 """Step memory: the bytes one rank holds after every node of the planned step, by category.
 
-Takes: the ``StepGraph`` (passes/trace) and a ``Plan``. Returns: a ``MemoryReport`` with the
-peak per rank, the node at the peak, what is live there by category, and the timeline.
+Takes: the ``StrategySpace`` (passes/strategies: the step graph's nodes in order, their
+tensors, edges and graph outputs) and a ``Plan``, or any choice of one strategy per node.
+Returns: a ``MemoryReport`` with the peak per rank, the node at the peak, what is live there
+by category, and the timeline. passes/solve bounds the same quantity in its ILP.
 
-The model of the emitted step (codegen runs the joint graph in its traced order, on local
-tensors):
+Two parts. ``liveness(space)`` depends on the graph alone, not on the placements: which
+storage each tensor lives on, and from which node to which node it is live. ``measure``
+sizes those storages under a choice of placements and sweeps over the step. The model of the
+emitted step (codegen runs the joint graph in its traced order, on local tensors):
 
-    size(v)      = prod(local_shape(shape(v), placement(v), mesh)) * itemsize(v)
-                   placement(v): the plan's output placement of v's node (placeholders:
+    size(s, P)   = prod(local_shape(shape(s), P(s), mesh)) * itemsize(s)
+                   P(s): the placement of the output that made storage s (placeholders:
                    their own placement)
     storage(v)   = storage(input 0) if v's op returns a view or writes its input in place
                    (its schema's alias annotation; ``_unsafe_view``; ``getitem`` picks one
-                   output of a multi-output node), else a new storage of size(v)
+                   output of a multi-output node), else a new storage
     live(s, i)   = first(s) <= i <= last(s): from the node that makes storage s to the last
                    node that uses any tensor on it (graph outputs: to the end of the step)
-    redistribution of input j of node i from p to q != p:
-                   a collective buffer of size under q, live at node i only
-    bytes(i)     = sum of live(s, i) sizes + collective buffers of node i + optimizer state
+    redistribution of tensor input j of node i from p to q != p:
+                   a collective buffer of size(q), live at node i only
+    bytes(i)     = sum_{s live at i} size(s, P) + collective buffers of node i
+                   + optimizer state
+
+bytes(i) is linear in the choice of placements (each term depends on one node's output
+placement or one edge's pair of placements), which is what lets the ILP bound it.
 
 Categories: ``parameters`` (parameters and buffers, the whole step; a tied parameter once),
 ``inputs`` (inputs and targets, the whole step), ``gradients`` (a parameter's gradient, from
@@ -26,25 +34,32 @@ in the backward: saved for it), ``temporaries`` (every other op output, and the 
 SGD with momentum one, none zero; constant over the step).
 
 What it leaves out: the allocator's rounding and fragmentation, and kernels' own workspace.
-Where it can be off: the emitted step runs aot_autograd's partitioned forward and backward,
-whose backward order (and what it saves rather than recomputes) can differ from the joint
-graph walked here; benchmarks/memory_check.py measures by how much. Not yet: mixed precision,
-and a bound in the ILP (the budget still counts 4 x parameter bytes); this is the report.
+Where it can be off: the emitted step runs aot_autograd's partitioned forward and backward
+(``default_partition``: it saves what the backward reads, and keeps the joint graph's order
+of each part); benchmarks/memory_check.py measures by how much. Not yet: mixed precision.
 """
 
 from __future__ import annotations
 
 import math
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from autopar.core import Plan, local_shape, parse_placements, roles
+from autopar.core import Plan, StrategySpace, local_shape, parse_placements, roles
 
-from .trace import StepGraph
-
-__all__ = ["CATEGORIES", "MemoryReport", "OPTIMIZERS", "simulate"]
+__all__ = [
+    "CATEGORIES",
+    "Liveness",
+    "MemoryReport",
+    "OPTIMIZERS",
+    "Storage",
+    "liveness",
+    "measure",
+    "simulate",
+]
 
 CATEGORIES = (
     "parameters",
@@ -58,6 +73,61 @@ CATEGORIES = (
 OPTIMIZERS = {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0, "none": 0}
 """Optimizer -> float32 state tensors per parameter element."""
 
+Placements = tuple
+OutPlacement = Callable[[str, int], "Placements | None"]
+"""(node, output index) -> the placements of that output (None: whole, on every rank)."""
+InPlacement = Callable[[str, int], "Placements | None"]
+"""(node, tensor input j) -> the placements node runs input j with (None: as it comes)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Storage:
+    """One storage of the step: made by output ``out`` of node ``owner``, live from node
+    index ``first`` to ``last`` (inclusive), of global ``shape`` and ``dtype``.
+    ``counted`` is False for a storage counted elsewhere (a tied parameter's later names)."""
+
+    owner: str
+    out: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    first: int
+    last: int
+    category: str
+    counted: bool = True
+
+    def nbytes(self, ps: Placements | None, mesh_shape) -> int:
+        """Bytes one rank holds of this storage when its owner's output is placed ``ps``."""
+        if not self.counted:
+            return 0
+        shape = self.shape if ps is None else local_shape(self.shape, ps, mesh_shape)
+        return math.prod(shape) * self.dtype.itemsize
+
+
+@dataclass
+class Liveness:
+    """The placement-free half of the model (module docstring).
+
+    Attributes:
+        order: node names in step order (``bytes(i)`` is after ``order[i]``).
+        storages: every storage, with its life.
+        params: placeholders of the stored parameters (a tied one once): optimizer state.
+        space: the strategy space it was read from (its tensors and edges).
+    """
+
+    order: list[str]
+    storages: list[Storage]
+    params: list[str]
+    space: StrategySpace
+
+    def live_at(self, i: int) -> list[Storage]:
+        """The storages live at node index ``i``."""
+        return [s for s in self.storages if s.first <= i <= s.last]
+
+    def reshard_inputs(self, i: int) -> list[tuple[int, str, int]]:
+        """``(j, producer, output)`` of each tensor input of node ``order[i]``: where a
+        collective buffer appears when input j is redistributed."""
+        return [(j, src, so) for j, (src, so) in enumerate(self.space.in_sources[self.order[i]])]
+
 
 @dataclass
 class MemoryReport:
@@ -68,6 +138,7 @@ class MemoryReport:
         peak_node: the node after which it is reached.
         at_peak: bytes by category at the peak.
         timeline: ``(node name, total bytes)`` after every node, in step order.
+        by_category: per category, its bytes after every node (aligned with ``timeline``).
         optimizer: the optimizer whose state is counted.
     """
 
@@ -75,15 +146,30 @@ class MemoryReport:
     peak_node: str
     at_peak: dict[str, int]
     timeline: list[tuple[str, int]] = field(default_factory=list)
+    by_category: dict[str, list[int]] = field(default_factory=dict)
     optimizer: str = "adamw"
 
-    def to_dict(self) -> dict:
-        return {
+    @property
+    def peak_index(self) -> int:
+        return next(i for i, (n, _) in enumerate(self.timeline) if n == self.peak_node)
+
+    def dominant(self) -> str:
+        """The category holding the most bytes at the peak."""
+        return max(self.at_peak, key=lambda k: self.at_peak[k])
+
+    def to_dict(self, *, timeline: bool = True) -> dict:
+        d = {
             "peak_bytes": self.peak_bytes,
             "peak_node": self.peak_node,
             "at_peak": dict(self.at_peak),
             "optimizer": self.optimizer,
         }
+        if timeline:
+            d["timeline"] = {
+                "nodes": [n for n, _ in self.timeline],
+                **{c: list(v) for c, v in self.by_category.items()},
+            }
+        return d
 
 
 def _is_alias(target) -> bool:
@@ -96,162 +182,148 @@ def _is_alias(target) -> bool:
     return schema.returns[0].alias_info is not None
 
 
-def _bytes(val, placements, mesh_shape) -> int:
-    if not isinstance(val, torch.Tensor):
-        return 0
-    shape = tuple(val.shape)
-    if placements is not None:
-        shape = local_shape(shape, placements, mesh_shape)
-    return math.prod(shape) * val.element_size()
-
-
-def simulate(step: StepGraph, plan: Plan, optimizer: str = "adamw") -> MemoryReport:
-    """The per-rank memory of ``plan``'s step (see the module docstring)."""
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"optimizer {optimizer!r}: one of {sorted(OPTIMIZERS)}")
-    mesh_shape = tuple(plan.mesh.shape)
-    nodes = [n for n in step.gm.graph.nodes if n.op != "output"]
-    index = {n: i for i, n in enumerate(nodes)}
-    end = len(nodes)
-    out_node = step.output_node()
-    outs = out_node.args[0]
-    if not isinstance(outs, (list, tuple)):
-        raise TypeError(f"the step's output node holds {type(outs).__name__}, not a list")
-    outputs = list(outs)
-    grad_outputs = {outputs[i] for i in step.grad_of if isinstance(outputs[i], torch.fx.Node)}
-
-    # storages: key -> [first index, last index, bytes, category]
-    storage_of: dict[tuple, tuple] = {}  # (node, output idx) -> storage key
-    storages: dict[tuple, list] = {}
-
-    def out_placement(n, idx):
-        if n.op == "placeholder":
-            return plan.placements_of(n.name)
-        choice = plan.nodes.get(n.name)
-        if choice is None or idx >= len(choice.out) or choice.out[idx] is None:
-            return None
-        return parse_placements(choice.out[idx])
-
-    aliases = set(step.alias_of)
-    param_nodes = {}
-    for n in step.placeholders():
-        role = n.meta[roles.META_ROLE]
-        key = (n, 0)
-        storage_of[key] = key
-        size = _bytes(n.meta["val"], out_placement(n, 0), mesh_shape)
-        if role in (roles.PARAM, roles.BUFFER):
-            category = "parameters"
-        elif role in roles.BATCH_ROLES:
-            category = "inputs"
-        else:
-            category = "temporaries"
-        storages[key] = [index[n], index[n], size, category]
-        if role == roles.PARAM:
-            param_nodes[n] = size
-    # a tied parameter's later names are the same tensor: counted once
-    for n, name in zip(
-        [n for n in step.placeholders() if n.meta[roles.META_ROLE] == roles.PARAM],
-        step.param_names,
-    ):
-        if name in aliases:
-            storages[(n, 0)][2] = 0
-            param_nodes[n] = 0
-
-    def use(key, i):
-        if key in storage_of:  # (a node whose first output is not a tensor has none)
-            s = storages[storage_of[key]]
-            s[1] = max(s[1], i)
-
-    collective_at: dict[int, int] = {}
-    for n in nodes:
-        if n.op != "call_function":
+def liveness(space: StrategySpace) -> Liveness:
+    """Every storage of ``space``'s step and its life (module docstring)."""
+    order = space.order
+    index = {n: i for i, n in enumerate(order)}
+    end = len(order)
+    # storage key (owner, out) -> [first, last, category]; (node, out) -> its storage key
+    life: dict[tuple[str, int], list] = {}
+    storage_of: dict[tuple[str, int], tuple[str, int]] = {}
+    params: list[str] = []
+    for name in order:
+        i = index[name]
+        role = space.roles[name]
+        if space.targets[name] == "placeholder":
+            if role in (roles.PARAM, roles.BUFFER):
+                category = "parameters"
+                if role == roles.PARAM and name not in space.aliases:
+                    params.append(name)
+            elif role in roles.BATCH_ROLES:
+                category = "inputs"
+            else:
+                category = "temporaries"
+            storage_of[(name, 0)] = (name, 0)
+            life[(name, 0)] = [i, i, category]
             continue
-        i = index[n]
-        if n.target is operator.getitem:
-            src, idx = n.args
-            storage_of[(n, 0)] = storage_of.get((src, idx), (src, idx))
-            if storage_of[(n, 0)] not in storages:  # an output nobody had picked yet
-                val = src.meta["val"][idx]
-                storages[storage_of[(n, 0)]] = [
-                    index[src],
-                    i,
-                    _bytes(val, out_placement(src, idx), mesh_shape),
-                    "temporaries",
-                ]
-            use((n, 0), i)
+        ins = space.in_sources[name]
+        for key in dict.fromkeys(ins):
+            s = storage_of.get(key)
+            if s is not None:  # (an output that is not a tensor has no storage)
+                life[s][1] = max(life[s][1], i)
+        target = space.targets[name]
+        shapes = space.shapes[name]
+        if ins and (target is operator.getitem or _is_alias(target)) and ins[0] in storage_of:
+            storage_of[(name, 0)] = storage_of[ins[0]]
             continue
-        choice = plan.nodes.get(n.name)
-        inputs = [a for a in n.all_input_nodes]
-        for j, a in enumerate(inputs):
-            use((a, 0), i)
-            if choice is not None and j < len(choice.ins):
-                src = out_placement(a, 0)
-                dst = parse_placements(choice.ins[j])
-                if src is not None and tuple(src) != tuple(dst):
-                    collective_at[i] = collective_at.get(i, 0) + _bytes(
-                        a.meta.get("val"), dst, mesh_shape
-                    )
-        val = n.meta.get("val")
-        if _is_alias(n.target) and inputs and (inputs[0], 0) in storage_of:
-            storage_of[(n, 0)] = storage_of[(inputs[0], 0)]
-            continue
-        vals = list(val) if isinstance(val, (tuple, list)) else [val]
-        role = n.meta.get(roles.META_ROLE)
-        for idx, v in enumerate(vals):
-            if not isinstance(v, torch.Tensor):
+        for idx, sd in enumerate(shapes):
+            if sd is None:
                 continue
-            key = (n, idx)
-            storage_of[key] = key
-            category = "temporaries"
-            storages[key] = [i, i, _bytes(v, out_placement(n, idx), mesh_shape), category]
-            if role == roles.FORWARD:
-                storages[key][3] = "forward"  # decided below: activation or temporary
+            storage_of[(name, idx)] = (name, idx)
+            life[(name, idx)] = [i, i, "forward" if role == roles.FORWARD else "temporaries"]
 
     # graph outputs live to the end; gradients are their own category
-    for o in outputs:
-        if isinstance(o, torch.fx.Node) and (o, 0) in storage_of:
-            s = storages[storage_of[(o, 0)]]
-            s[1] = end
-            if o in grad_outputs:
-                s[3] = "gradients"
-    for s in storages.values():
-        if s[3] == "forward":
-            last = nodes[min(s[1], end - 1)]
-            backward = s[1] < end and last.meta.get(roles.META_ROLE) == roles.BACKWARD
-            s[3] = "activations" if backward else "temporaries"
-        if s[3] in ("parameters", "inputs"):
-            s[0], s[1] = 0, end
+    for sink in space.sinks:
+        s = storage_of.get((sink.src, sink.src_out))
+        if s is None:
+            continue
+        life[s][1] = end
+        if sink.like is not None and space.roles[sink.like] == roles.PARAM:
+            life[s][2] = "gradients"
+    storages = []
+    for (owner, out), (first, last, category) in life.items():
+        if category == "forward":
+            backward = last < end and space.roles[order[last]] == roles.BACKWARD
+            category = "activations" if backward else "temporaries"
+        if category in ("parameters", "inputs"):
+            first, last = 0, end
+        shape, dtype = space.tensor(owner, out)
+        counted = owner not in space.aliases
+        storages.append(Storage(owner, out, tuple(shape), dtype, first, last, category, counted))
+    return Liveness(order=list(order), storages=storages, params=params, space=space)
 
-    state_per_elem = OPTIMIZERS[optimizer] * 4
-    opt_bytes = 0
-    for n, size in param_nodes.items():
-        itemsize = n.meta["val"].element_size()
-        opt_bytes += size // itemsize * state_per_elem
 
-    # sweep: +size at first, -size after last
-    starts: dict[int, list] = {}
-    stops: dict[int, list] = {}
-    for s in storages.values():
-        starts.setdefault(s[0], []).append(s)
-        stops.setdefault(s[1], []).append(s)
-    live = dict.fromkeys(CATEGORIES, 0)
-    live["optimizer_state"] = opt_bytes
-    timeline: list[tuple[str, int]] = []
-    peak, peak_node, at_peak = -1, "", dict(live)
-    for i, n in enumerate(nodes):
-        for s in starts.get(i, ()):
-            live[s[3]] += s[2]
-        live["collective_buffers"] = collective_at.get(i, 0)
-        total = sum(live.values())
-        timeline.append((n.name, total))
-        if total > peak:
-            peak, peak_node, at_peak = total, n.name, dict(live)
-        for s in stops.get(i, ()):
-            live[s[3]] -= s[2]
+def optimizer_bytes(storage: Storage, ps: Placements | None, mesh_shape, optimizer: str) -> int:
+    """Optimizer state one rank holds for a parameter shard (float32 per element)."""
+    return storage.nbytes(ps, mesh_shape) // storage.dtype.itemsize * 4 * OPTIMIZERS[optimizer]
+
+
+def measure(
+    lv: Liveness, out_ps: OutPlacement, in_ps: InPlacement, optimizer: str = "adamw"
+) -> MemoryReport:
+    """Size ``lv``'s storages under the placements ``out_ps`` / ``in_ps`` and sweep over the
+    step (module docstring)."""
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer {optimizer!r}: one of {sorted(OPTIMIZERS)}")
+    space = lv.space
+    mesh_shape = tuple(space.mesh.shape)
+    n = len(lv.order)
+    # per category, the change of live bytes at each node: +size at first, -size after last
+    delta = {c: [0] * (n + 1) for c in CATEGORIES}
+    opt = 0
+    param_set = set(lv.params)
+    for s in lv.storages:
+        size = s.nbytes(out_ps(s.owner, s.out), mesh_shape)
+        d = delta[s.category]
+        d[s.first] += size
+        if s.last + 1 <= n:
+            d[s.last + 1] -= size
+        if s.owner in param_set:
+            opt += optimizer_bytes(s, out_ps(s.owner, s.out), mesh_shape, optimizer)
+    buffers = delta["collective_buffers"]
+    for i, name in enumerate(lv.order):
+        if space.targets[name] == "placeholder":
+            continue
+        for j, src, so in lv.reshard_inputs(i):
+            q = in_ps(name, j)
+            if q is None:
+                continue
+            p = out_ps(src, so)
+            if p is None or tuple(p) == tuple(q):
+                continue
+            shape, dtype = space.tensor(src, so)
+            size = math.prod(local_shape(tuple(shape), q, mesh_shape)) * dtype.itemsize
+            buffers[i] += size
+            buffers[i + 1] -= size
+    by_category: dict[str, list[int]] = {}
+    for c in CATEGORIES:
+        acc, out = 0, []
+        for i in range(n):
+            acc += delta[c][i]
+            out.append(acc)
+        by_category[c] = out
+    by_category["optimizer_state"] = [opt] * n
+    totals = [sum(by_category[c][i] for c in CATEGORIES) for i in range(n)]
+    peak_i = max(range(n), key=lambda i: totals[i]) if n else 0
     return MemoryReport(
-        peak_bytes=peak,
-        peak_node=peak_node,
-        at_peak=at_peak,
-        timeline=timeline,
+        peak_bytes=totals[peak_i] if n else 0,
+        peak_node=lv.order[peak_i] if n else "",
+        at_peak={c: by_category[c][peak_i] for c in CATEGORIES} if n else {},
+        timeline=list(zip(lv.order, totals)),
+        by_category=by_category,
         optimizer=optimizer,
     )
+
+
+def simulate(space: StrategySpace, plan: Plan, optimizer: str = "adamw") -> MemoryReport:
+    """The per-rank memory of ``plan``'s step (see the module docstring)."""
+    cache: dict = {}
+
+    def parsed(text):
+        if text not in cache:
+            cache[text] = parse_placements(text)
+        return cache[text]
+
+    def out_ps(name: str, idx: int):
+        choice = plan.nodes.get(name)
+        if choice is None or idx >= len(choice.out) or choice.out[idx] is None:
+            return None
+        return parsed(choice.out[idx])
+
+    def in_ps(name: str, j: int):
+        choice = plan.nodes.get(name)
+        if choice is None or j >= len(choice.ins):
+            return None
+        return parsed(choice.ins[j])
+
+    return measure(liveness(space), out_ps, in_ps, optimizer)

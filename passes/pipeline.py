@@ -13,7 +13,7 @@ to ``stats``. The pipeline of docs/architecture.md, as entries:
     strategies   trace, fold, mesh                       StrategySpace strategies
     solve        strategies, options                     Solution      the solver's (problem
                                                                        size, status, phases)
-    memory       trace, plan, options                    MemoryReport  step_peak_bytes
+    memory       strategies, plan, options                   MemoryReport  step_peak_bytes
                  (on the Plan assembled after solve;
                  into plan.memory["step"])
     codegen      trace, plan, dmesh                      CompiledStep  local_nodes,
@@ -30,6 +30,7 @@ public API is ``skip={"fold"}``; ``memory``). A new stage is a new entry in a li
 from __future__ import annotations
 
 import logging
+import math
 import time
 import warnings
 from collections.abc import Callable, Collection, Sequence
@@ -41,7 +42,7 @@ from autopar.core import CompiledStep, Solution, StrategySpace
 from .codegen import codegen
 from .fold import FoldedGraph, fold_regions
 from .memory import OPTIMIZERS, MemoryReport, simulate
-from .solve import solve
+from .solve import DEVICE_BUDGET, solve
 from .strategies import build_strategies
 from .trace import StepGraph, trace_step
 
@@ -67,7 +68,12 @@ class PlanOptions:
     """The solver's time limit in seconds."""
 
     memory_budget: float | None = None
-    """Bytes per rank for parameters, gradients and AdamW state (None: no bound)."""
+    """The most bytes one rank may hold at any point of the step (passes/memory). None: the
+    device profile's usable memory; ``math.inf``: no bound."""
+
+    memory_fraction: float | None = None
+    """Instead of ``memory_budget``: this fraction of what one device holds running the
+    whole step."""
 
     skip: frozenset[str] = frozenset()
     """Names of stages not to run (only skippable ones: ``fold``, ``memory``)."""
@@ -80,10 +86,15 @@ class PlanOptions:
             raise ValueError(f"optimizer {self.optimizer!r}: one of {sorted(OPTIMIZERS)}")
         if self.time_limit_s <= 0:
             raise ValueError(f"time_limit_s must be > 0, got {self.time_limit_s}")
-        if self.memory_budget is not None and self.memory_budget <= 0:
+        if self.memory_budget is not None and not self.memory_budget > 0:
             raise ValueError(
                 f"memory_budget must be a positive number of bytes, got {self.memory_budget}"
             )
+        if self.memory_fraction is not None:
+            if self.memory_budget is not None:
+                raise ValueError("give memory_budget or memory_fraction, not both")
+            if not self.memory_fraction > 0:
+                raise ValueError(f"memory_fraction must be > 0, got {self.memory_fraction}")
         unknown = set(self.skip) - set(STAGE_NAMES)
         if unknown:
             raise ValueError(f"unknown stage(s) {sorted(unknown)}; stages are {STAGE_NAMES}")
@@ -178,10 +189,21 @@ def _strategies(state: dict) -> StrategySpace:
 
 def _solve(state: dict) -> Solution:
     options: PlanOptions = state["options"]
+    budget: float | str | None
+    if options.memory_fraction is not None or (
+        options.memory_budget is not None and math.isinf(options.memory_budget)
+    ):
+        budget = None
+    elif options.memory_budget is None:
+        budget = DEVICE_BUDGET
+    else:
+        budget = options.memory_budget
     return solve(
         state["strategies"],
         time_limit_s=options.time_limit_s,
-        memory_budget=options.memory_budget,
+        memory_budget=budget,
+        memory_fraction=options.memory_fraction,
+        optimizer=options.optimizer,
     )
 
 
@@ -199,7 +221,7 @@ def _codegen_stats(compiled: CompiledStep | None) -> dict:
 
 
 def _memory(state: dict) -> MemoryReport:
-    return simulate(state["trace"], state["plan"], optimizer=state["options"].optimizer)
+    return simulate(state["strategies"], state["plan"], optimizer=state["options"].optimizer)
 
 
 def _memory_stats(report: MemoryReport | None) -> dict:

@@ -22,9 +22,8 @@ The ILP (Alpa's intra-operator formulation):
         e[u,p,v,q] absent       when DTensor cannot go from p to q (e.g. Shard -> Partial)
         Z[a,q] = Z[b,q]         for tied nodes (tied parameters; the inputs and outputs of
                                a model without a loss)                  (``tie_constraints``)
-        sum_{params v,k} 4 * bytes(v, k) x[v,k] <= budget   (optional ``memory_budget``:
-                               parameter, gradient and two AdamW moments per rank;
-                               ``memory_terms``, ``memory_constraint``)
+        bytes(i) <= budget      at the points i of the step that the loop below adds
+                               (``memory_cut``; "Memory")
     objective (seconds)                                                 (``objective``)
         min  sum_{v,k} C[v,k] x[v,k]  +  sum_{edges} R(p, q) e[u,p,v,q]
 
@@ -41,8 +40,25 @@ whose gradients outweigh its activations would always put tensor parallelism on 
 slowest axis. Since x is one-hot, the margins of each edge's e are one-hot, which forces e
 to the single pair (p, q) chosen, so e needs no integrality.
 
-An impossible ``memory_budget`` is reported with the smallest one that fits
-(``smallest_budget``): the same ILP without the budget, minimizing the memory terms.
+Memory. bytes(i), the bytes one rank holds after node i (passes/memory), is linear in the
+variables: a storage live at i made by output o of node v adds size(o under k) to x[v,k];
+a parameter adds its optimizer state the same way; an input of node i redistributed from p
+to q adds size(q) to e[u,p,v,q] (``memory_point``). Bounding every point would add one
+constraint per node with a term per live tensor and strategy; instead (cutting planes):
+
+    solve; measure the plan's bytes(i) at every i (passes/memory.measure, the model the
+    memory stage reports); where the peak exceeds the budget, add bytes(i) <= budget at
+    the peak and at the highest point of the other half of the step (forward, backward);
+    solve again; stop when the plan fits (``_bounded``, at most ``MAX_ROUNDS`` rounds)
+
+Each cut is exact (the same model, not a linearization of it), so a plan that passes the
+last check fits, and every plan that fits satisfies every cut: the loop loses no plan. A
+budget that binds costs a few rounds (GPT (2 layers) on (2, 2) at 30% of one device's
+bytes: 4 rounds, 4 cuts). Unbound, it costs one measurement. ``memory_budget`` defaults
+(pipeline) to the device profile's ``usable_memory`` (capacity less a stated reserve).
+An impossible budget is reported with the smallest one that fits and the category that
+dominates it (``smallest_budget``: min M over the same ILP with bytes(i) <= M at the points
+the same loop adds).
 
 Folding (passes/fold, ``StrategySpace.rep``; ``_Folding``): the instances of a folded
 region take their representative's strategy, so only representatives have variables. With
@@ -53,7 +69,9 @@ r(v) the representative of v:
     an edge u->v becomes the edge r(u)->r(v); the m graph edges that map onto one such edge
         (the same edge in every layer, the edge from one layer into the next, the edges
         from one shared producer into every layer) share its variables e and count m times
-    memory: sum over parameters v of 4 * bytes(v, k) x[r(v),k]; ties between representatives
+    memory: bytes(i) sums over every instance's live storages, each on x[r(v),k]: a
+        representative's bytes count once per instance live at i
+    ties: between representatives
 
 so the objective is still that of the whole graph, for plans in which every instance does
 as its representative. Unfolded, r is the identity and this is the ILP above.
@@ -119,14 +137,23 @@ from autopar.cost_models import (
     redistribute_time,
 )
 
-__all__ = ["GRAD_OVERLAP", "MIP_GAP", "STATE_COPIES", "IlpBuilder", "SolveError", "solve"]
+from .memory import Liveness, MemoryReport, liveness, measure, optimizer_bytes
+
+__all__ = [
+    "DEVICE_BUDGET",
+    "GRAD_OVERLAP",
+    "MIP_GAP",
+    "IlpBuilder",
+    "SolveError",
+    "smallest_budget",
+    "solve",
+]
 
 
 class SolveError(RuntimeError):
     """The ILP has no solution or the solver failed."""
 
 
-STATE_COPIES = 4  # parameter + gradient + AdamW exp_avg + exp_avg_sq
 GRAD_OVERLAP = 0.75  # share of gradient-reduction time hidden behind backward compute
 MIP_GAP = 1e-3  # stop within 0.1% of the optimum
 _SCALE = 1e6  # seconds -> microseconds inside the ILP, to keep coefficients well scaled
@@ -285,6 +312,7 @@ class IlpBuilder:
         merge: bool = True,
         reshard_axes: int | None = 1,
         grad_overlap: float = GRAD_OVERLAP,
+        optimizer: str = "adamw",
     ):
         if not 0.0 <= grad_overlap < 1.0:
             raise ValueError(f"grad_overlap must be in [0, 1), got {grad_overlap}")
@@ -293,6 +321,7 @@ class IlpBuilder:
         self.merge = merge
         self.reshard_axes = reshard_axes
         self.grad_overlap = grad_overlap
+        self.optimizer = optimizer
         self.solver = solver
         with _quiet_stdout():
             lp = pywraplp.Solver.CreateSolver(solver)
@@ -309,7 +338,10 @@ class IlpBuilder:
         self.node_cost: dict[str, list[float]] = {}
         self.merged: set[str] = set()
         self.edge_terms: list[_EdgeTerm] = []
+        # (r(u), output, r(v), input) -> its pairs (e, p, q): where collective buffers live
+        self.pairs: dict[tuple, list[tuple[Any, tuple, tuple]]] = {}
         self.n_edge_vars = 0
+        self.cuts: list[int] = []
         self.times: dict[str, float] = {}
 
     # -- margins ---------------------------------------------------------------------------
@@ -393,13 +425,15 @@ class IlpBuilder:
 
     def _pair_variables(
         self, labels, src, src_out, dst_groups: dict, *, follow=False, max_axes=None, scale=1.0
-    ) -> None:
-        """e[u,p,v,q] for every allowed pair, tied to Y[u,p] and Z[v,q]; R(p,q) * m."""
+    ) -> list[tuple[Any, tuple, tuple]]:
+        """e[u,p,v,q] for every allowed pair, tied to Y[u,p] and Z[v,q]; R(p,q) * m.
+        Returns the pairs as ``(e, p, q)``."""
         space = self.space
         shape_dtype = space.tensor(src, src_out)
         src_groups = self.out_group(src, src_out)
         pair_vars_p = defaultdict(list)
         pair_vars_q = defaultdict(list)
+        pairs = []
         for p in src_groups:
             for q in dst_groups:
                 if follow and p in dst_groups and p != q:
@@ -412,6 +446,7 @@ class IlpBuilder:
                 c *= scale
                 ev = self.lp.NumVar(0.0, 1.0, "")
                 self.n_edge_vars += 1
+                pairs.append((ev, p, q))
                 pair_vars_p[p].append(ev)
                 pair_vars_q[q].append(ev)
                 if c > 0:
@@ -421,6 +456,7 @@ class IlpBuilder:
             self.lp.Add(sum(pair_vars_p[p]) == sum(xs))
         for q, xs in dst_groups.items():
             self.lp.Add(sum(pair_vars_q[q]) == sum(xs))
+        return pairs
 
     def edge_variables(self) -> None:
         """The edges between representatives, each standing for the m graph edges onto it."""
@@ -430,8 +466,9 @@ class IlpBuilder:
             if f.rep(e.dst) in self.merged:
                 continue
             q_edges[(f.rep(e.src), e.src_out, f.rep(e.dst), e.dst_in)].append(f"{e.src}->{e.dst}")
-        for (src, src_out, dst, dst_in), labels in q_edges.items():
-            self._pair_variables(
+        for key, labels in q_edges.items():
+            src, src_out, dst, dst_in = key
+            self.pairs[key] = self._pair_variables(
                 labels,
                 src,
                 src_out,
@@ -481,25 +518,55 @@ class IlpBuilder:
             for q in set(ga) | set(gb):
                 self.lp.Add(sum(ga.get(q, [])) == sum(gb.get(q, [])))
 
-    def memory_terms(self) -> list[tuple[float, Any]]:
-        """(bytes, x variable): per-rank parameter state, STATE_COPIES * local bytes."""
-        space = self.space
-        terms: list[tuple[float, Any]] = []
-        for name in space.order:
-            if space.roles[name] != roles.PARAM or name in space.aliases:
-                continue
-            shape, dtype = space.tensor(name)
-            r = self.folding.rep(name)
-            for k, st in enumerate(space.strategies[r]):
-                nbytes = (
-                    math.prod(local_shape(shape, st.output(), space.mesh.shape)) * dtype.itemsize
-                )
-                terms.extend((STATE_COPIES * nbytes, v) for v in self.x[r][k])
-        return terms
+    def memory_point(self, lv: Liveness, i: int) -> dict:
+        """bytes(i) of passes/memory as a linear expression: base variable -> MiB.
 
-    def memory_constraint(self, budget: float) -> None:
-        """sum 4 * bytes(v, k) x[v,k] <= budget."""
-        self.lp.Add(sum(b * v for b, v in self.memory_terms()) <= float(budget))
+        A live storage made by node v's output o adds size(o under strategy k) to x[r(v),k]
+        (once per instance: folded, the representative's variables gather every instance's
+        bytes); a parameter adds its optimizer state the same way; a tensor input of node i
+        redistributed from p to q adds size(q) to its edge's e[u,p,v,q]."""
+        space, rep = self.space, self.folding.rep
+        mesh_shape = tuple(space.mesh.shape)
+        params = set(lv.params)
+        coef: dict = defaultdict(float)
+        for s in lv.live_at(i):
+            r = rep(s.owner)
+            for k, st in enumerate(space.strategies[r]):
+                ps = st.out[s.out]
+                b = s.nbytes(ps, mesh_shape)
+                if s.owner in params:
+                    b += optimizer_bytes(s, ps, mesh_shape, self.optimizer)
+                if b:
+                    for v in self.x[r][k]:
+                        coef[v] += b / _MIB
+        name = lv.order[i]
+        if space.targets[name] != "placeholder":
+            for j, src, so in lv.reshard_inputs(i):
+                shape, dtype = space.tensor(src, so)
+                for ev, p, q in self.pairs.get((rep(src), so, rep(name), j), ()):
+                    if p != q:
+                        coef[ev] += (
+                            math.prod(local_shape(shape, q, mesh_shape)) * dtype.itemsize / _MIB
+                        )
+        return coef
+
+    def memory_cut(self, lv: Liveness, i: int, bound) -> None:
+        """bytes(i) <= bound (bytes, or a variable in MiB): one point of the step bounded."""
+        expr = self.memory_point(lv, i)
+        rhs = bound if not isinstance(bound, (int, float)) else float(bound) / _MIB
+        self.lp.Add(sum(c * v for v, c in expr.items()) <= rhs)
+        self.cuts.append(i)
+
+    def evaluate(self, lv: Liveness) -> MemoryReport:
+        """The step memory (passes/memory) of the strategies the solver set."""
+        choice = self.choice()
+        strats = self.space.strategies
+        return measure(
+            lv,
+            lambda n, o: strats[n][choice[n]].out[o],
+            lambda n, j: strats[n][choice[n]].ins[j],
+            self.optimizer,
+        )
 
     def objective(self, coef: dict | None = None) -> None:
         """min sum of the coefficients gathered (``coef``: use these instead)."""
@@ -525,7 +592,6 @@ def build_ilp(
     profile: DeviceProfile,
     *,
     solver: str,
-    memory_budget: float | None = None,
     **options,
 ) -> IlpBuilder:
     """The whole ILP of the module docstring: variables, constraints and objective.
@@ -539,8 +605,6 @@ def build_ilp(
     ilp.edge_variables()
     ilp.output_terms()
     ilp.tie_constraints()
-    if memory_budget is not None:
-        ilp.memory_constraint(memory_budget)
     ilp.objective()
     ilp.times = {
         "cost_s": round(t_nodes - t0, 6),
@@ -621,21 +685,101 @@ def read_solution(ilp: IlpBuilder, status: int, stats: dict, time_limit_s: float
     )
 
 
+MAX_ROUNDS = 16
+"""Rounds of the cutting-plane loop (module docstring, "Memory")."""
+
+
+def _slack(budget: float) -> float:
+    """What a plan may exceed a bound by: the solver's feasibility tolerance, in bytes."""
+    return 1e-9 * budget + 64
+
+
+def _new_cuts(ilp: IlpBuilder, report: MemoryReport, bound: float) -> list[int]:
+    """Points of ``report`` above ``bound`` to bound next: the peak, and the highest point
+    of the other half of the step (forward or backward), if not bounded yet."""
+    space = ilp.space
+    totals = [t for _, t in report.timeline]
+    backward = [space.roles[n] == roles.BACKWARD for n, _ in report.timeline]
+    peak = report.peak_index
+    other = [i for i in range(len(totals)) if backward[i] != backward[peak]]
+    points = [peak]
+    if other:
+        points.append(max(other, key=lambda i: totals[i]))
+    return [i for i in points if totals[i] > bound and i not in ilp.cuts]
+
+
+def _bounded(
+    ilp: IlpBuilder, lv: Liveness, budget: float, time_limit_s: float, mip_gap: float
+) -> tuple[int, MemoryReport | None]:
+    """Solve, then bound the points where the plan's step memory exceeds ``budget`` and solve
+    again, until it fits (module docstring, "Memory"). Returns the last status and the
+    plan's memory (None if the solver found no plan)."""
+    deadline = time.perf_counter() + time_limit_s
+    report = None
+    for _ in range(MAX_ROUNDS):
+        status = _run(ilp, max(deadline - time.perf_counter(), 1.0), mip_gap)
+        if not _solved(status):
+            return status, None
+        report = ilp.evaluate(lv)
+        points = _new_cuts(ilp, report, budget)
+        if not points:
+            return status, report
+        for i in points:
+            ilp.memory_cut(lv, i, budget)
+    return status, report
+
+
 def smallest_budget(
-    space: StrategySpace, profile: DeviceProfile, *, solver: str, time_limit_s: float, **options
-) -> int | None:
-    """The least per-rank parameter-state bytes (``memory_terms``) of any plan the ILP
-    allows: the ILP without a budget, minimizing those bytes. None if the solver finds no
-    plan in ``time_limit_s``."""
-    ilp = build_ilp(space, profile, solver=solver, **options)
-    terms = ilp.memory_terms()
-    coef: dict = defaultdict(float)
-    for b, v in terms:
-        coef[v] += b / _MIB
-    ilp.objective(coef)
-    if not _solved(_run(ilp, time_limit_s, 0.0)):
-        return None
-    return int(sum(b for b, v in terms if v.solution_value() > 0.5))
+    space: StrategySpace,
+    profile: DeviceProfile,
+    lv: Liveness,
+    *,
+    solver: str,
+    time_limit_s: float,
+    optimizer: str = "adamw",
+    **options,
+) -> MemoryReport | None:
+    """The step memory of the plan with the smallest peak per rank the ILP allows: the
+    ILP without a budget, minimizing a bound M on bytes(i) at the points the loop adds
+    (module docstring, "Memory"). None if the solver finds no plan in ``time_limit_s``."""
+    ilp = build_ilp(space, profile, solver=solver, optimizer=optimizer, **options)
+    bound = ilp.lp.NumVar(0.0, ilp.lp.infinity(), "peak_mib")
+    ilp.objective({bound: 1.0})
+    deadline = time.perf_counter() + time_limit_s
+    best = None
+    for _ in range(4 * MAX_ROUNDS):
+        if not _solved(_run(ilp, max(deadline - time.perf_counter(), 1.0), 0.0)):
+            return best
+        report = ilp.evaluate(lv)
+        if best is None or report.peak_bytes < best.peak_bytes:
+            best = report
+        points = _new_cuts(ilp, report, bound.solution_value() * _MIB)
+        if not points:
+            return best
+        for i in points:
+            ilp.memory_cut(lv, i, bound)
+    return best
+
+
+def _budget_error(budget: float, least: MemoryReport | None, time_limit_s: float) -> SolveError:
+    if least is None:
+        return SolveError(
+            f"no plan fits the memory budget of {budget / _MIB:.1f} MiB per rank, and the "
+            f"solver found none without it within {time_limit_s:.0f} s: raise time_limit_s, "
+            "or the budget"
+        )
+    top = least.dominant()
+    return SolveError(
+        f"no plan fits the memory budget of {budget / _MIB:.1f} MiB per rank (the step's "
+        f"peak, {least.optimizer} state included): the smallest budget that fits is "
+        f"{least.peak_bytes / _MIB:.1f} MiB ({least.peak_bytes} bytes), where "
+        f"{top.replace('_', ' ')} dominate ({least.at_peak[top] / _MIB:.1f} MiB at node "
+        f"{least.peak_node}); raise the budget to at least that, or use a larger mesh"
+    )
+
+
+DEVICE_BUDGET = "device"
+"""``memory_budget`` for the device profile's usable memory (``DeviceProfile.usable_memory``)."""
 
 
 def solve(
@@ -643,7 +787,9 @@ def solve(
     *,
     time_limit_s: float = 600.0,
     solver: str | None = None,
-    memory_budget: float | None = None,
+    memory_budget: float | str | None = None,
+    memory_fraction: float | None = None,
+    optimizer: str = "adamw",
     reshard_axes: int | None = 1,
     grad_overlap: float = GRAD_OVERLAP,
     merge: bool = True,
@@ -651,8 +797,11 @@ def solve(
 ) -> Solution:
     """Solve the ILP of the module docstring for ``space``.
 
-    ``memory_budget``: bytes per rank for parameter state (the parameter, its gradient and
-    two AdamW moments: ``STATE_COPIES`` times the local parameter bytes).
+    ``memory_budget``: the most bytes one rank may hold at any point of the step
+    (passes/memory: parameters, gradients, ``optimizer`` state, activations, temporaries,
+    collective buffers, inputs); ``DEVICE_BUDGET`` for the device profile's usable memory;
+    None for no bound. ``memory_fraction``: instead, that fraction of what one device holds
+    running the whole step (the plan that replicates everything).
     ``reshard_axes``: the most mesh axes an edge between two operators may change at once
     (None: no limit); graph outputs may always change every axis.
     ``grad_overlap``: the fraction of a gradient's reduction hidden behind the rest of the
@@ -664,38 +813,61 @@ def solve(
     solver = solver or os.environ.get("AUTOPAR_SOLVER", "HIGHS")
     options = dict(merge=merge, reshard_axes=reshard_axes, grad_overlap=grad_overlap)
     profile = get_profile(space.mesh.device)
-    ilp = build_ilp(space, profile, solver=solver, memory_budget=memory_budget, **options)
+    lv = liveness(space)
+    budget: float | None
+    if memory_fraction is not None:
+        if memory_budget is not None:
+            raise ValueError("give memory_budget or memory_fraction, not both")
+        if not 0 < memory_fraction:
+            raise ValueError(f"memory_fraction must be > 0, got {memory_fraction}")
+        whole = measure(lv, lambda n, o: None, lambda n, j: None, optimizer).peak_bytes
+        budget = memory_fraction * whole
+    elif memory_budget == DEVICE_BUDGET:
+        budget = profile.usable_memory
+    elif isinstance(memory_budget, str):
+        raise ValueError(f"memory_budget: bytes, {DEVICE_BUDGET!r} or None; got {memory_budget!r}")
+    else:
+        budget = None if memory_budget is None else float(memory_budget)
+    ilp = build_ilp(space, profile, solver=solver, optimizer=optimizer, **options)
     t0 = time.perf_counter()
-    status = _run(ilp, time_limit_s, mip_gap)
+    if budget is None:
+        status = _run(ilp, time_limit_s, mip_gap)
+        report = ilp.evaluate(lv) if _solved(status) else None
+    else:
+        status, report = _bounded(ilp, lv, budget, time_limit_s, mip_gap)
     ilp_s = round(time.perf_counter() - t0, 6)
     if status == pywraplp.Solver.NOT_SOLVED:
         raise SolveError(
             f"the solver found no plan within its time limit of {time_limit_s:.0f} s "
             f"({ilp.lp.NumVariables()} variables, {ilp.lp.NumConstraints()} constraints): "
             "raise time_limit_s (autopar.plan(..., time_limit_s=...))"
-            + ("" if memory_budget is None else ", or the memory budget")
+            + ("" if budget is None else ", or the memory budget")
         )
     if not _solved(status):
-        if memory_budget is not None and status == pywraplp.Solver.INFEASIBLE:
+        if budget is not None and status == pywraplp.Solver.INFEASIBLE:
             least = smallest_budget(
-                space, profile, solver=solver, time_limit_s=time_limit_s, **options
-            )
-            if least is not None:
-                raise SolveError(
-                    f"no plan fits the memory budget of {memory_budget / _MIB:.1f} MiB per rank "
-                    f"(parameters, gradients and AdamW state): the smallest budget that fits "
-                    f"is {least / _MIB:.1f} MiB ({least} bytes); raise the budget to at least "
-                    "that, or use a larger mesh"
-                )
-            raise SolveError(
-                f"no plan fits the memory budget of {memory_budget / _MIB:.1f} MiB per rank, "
-                f"and the solver found none without it within {time_limit_s:.0f} s: raise "
-                "time_limit_s, or the budget"
-            )
+                space, profile, lv, solver=solver, time_limit_s=time_limit_s,
+                optimizer=optimizer, **options,
+            )  # fmt: skip
+            raise _budget_error(budget, least, time_limit_s)
         # NOTE: every node may replicate everything (passes/strategies), so without a budget
         # the all-replicated plan is always a solution: this is a bug, not the model's fault
         raise SolveError(
             f"the sharding ILP has no solution (solver status {status}) although the "
             "all-replicated plan should be one: please report it with the model"
         )
-    return read_solution(ilp, status, {**ilp.times, "ilp_s": ilp_s}, time_limit_s)
+    assert report is not None
+    stats: dict[str, Any] = {**ilp.times, "ilp_s": ilp_s}
+    warnings = []
+    if budget is not None:
+        stats.update(memory_budget=int(budget), memory_cuts=len(ilp.cuts))
+        if report.peak_bytes > budget + _slack(budget):
+            warnings.append(
+                f"the plan's step memory ({report.peak_bytes / _MIB:.1f} MiB per rank at "
+                f"{report.peak_node}) is above the budget of {budget / _MIB:.1f} MiB: the "
+                f"solver stopped after {MAX_ROUNDS} rounds of bounding it"
+            )
+    stats["peak_bytes"] = report.peak_bytes
+    sol = read_solution(ilp, status, stats, time_limit_s)
+    sol.warnings.extend(warnings)
+    return sol

@@ -118,7 +118,9 @@ class Plan:
         cost: ``compute_s``, ``comm_s``, ``total_s`` and ``comm_by_kind_s``.
         memory: ``param_bytes_per_rank`` and ``param_bytes_total``; ``step``: the step
             memory per rank (passes/memory: ``peak_bytes``, ``peak_node``, ``at_peak`` by
-            category, ``optimizer``).
+            category, ``optimizer``, and ``timeline``: ``nodes`` in step order and, per
+            category, the bytes after each). The budget it was bounded by is
+            ``stats["memory_budget"]``.
         warnings: ops replicated for lack of a rule, and similar notes.
         stats: planning statistics: problem size, solver status, and timings
             (``trace_s``, ``search_s`` and per stage ``*_s``).
@@ -274,8 +276,10 @@ class Plan:
         parts = ", ".join(
             f"{k.replace('_', ' ')} {v / 2**20:.2f}" for k, v in step["at_peak"].items() if v
         )
+        budget = self.stats.get("memory_budget")
+        of = "" if budget is None else f" of a {budget / 2**20:.2f} MiB budget"
         return [
-            f"step memory peak per rank: {step['peak_bytes'] / 2**20:.2f} MiB at "
+            f"step memory peak per rank: {step['peak_bytes'] / 2**20:.2f} MiB{of} at "
             f"{step['peak_node']} ({step['optimizer']}; MiB: {parts})"
         ]
 

@@ -47,11 +47,10 @@ def _outputs_without_loss(rank, world):
     model = GPT(cfg).double()
     tokens, _ = lm_batch(cfg.vocab, 8, cfg.seq)
     ref = model(tokens)
-    full = sum(p.numel() * p.element_size() for p in model.parameters())
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        pm = autopar.compile(model, mesh, (tokens,), memory_budget=4 * full * 0.6)
+        pm = autopar.compile(model, mesh, (tokens,), memory_fraction=0.6)
     (local,) = pm.shard_inputs(tokens)
     out = pm(local)
     out.sum().backward()
@@ -108,7 +107,7 @@ def test_compile_runs_a_saved_plan(tmp_path):
             inputs,
             loss_fn=loss_fn,
             example_targets=targets,
-            memory_budget=4 * 0.6 * sum(p.numel() * 4 for p in model.parameters()),
+            memory_fraction=0.6,
         )
     path = tmp_path / "plan.json"
     plan.save(path)

@@ -60,7 +60,7 @@ def _train(rank, world):
             (x,),
             loss_fn=_cross_entropy,
             example_targets=(labels,),
-            memory_budget=0.5 * autopar.replicated_state_bytes(model),
+            memory_fraction=0.5,
         )
     local = pm.shard_inputs(x, labels)
     opt = torch.optim.SGD(pm.parameters(), lr=0.1)

@@ -27,7 +27,6 @@ def _compiled_mlp(plan=None, fraction=None):
     torch.manual_seed(0)
     model, inputs, loss_fn, targets = EXAMPLES["mlp"]()
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
-    budget = None if fraction is None else fraction * autopar.replicated_state_bytes(model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         pm = autopar.compile(
@@ -37,7 +36,7 @@ def _compiled_mlp(plan=None, fraction=None):
             loss_fn=loss_fn,
             example_targets=targets,
             plan=plan,
-            memory_budget=budget,
+            memory_fraction=fraction,
         )
     return pm, inputs, targets
 
@@ -78,7 +77,7 @@ def test_ranks_given_different_plans_all_raise(tmp_path):
     model, inputs, loss_fn, targets = EXAMPLES["mlp"]()
     mesh = autopar.Mesh((2,), ("dp",), device="cpu")
     paths = []
-    for i, budget in enumerate([None, 0.6 * autopar.replicated_state_bytes(model)]):
+    for i, fraction in enumerate([None, 0.6]):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             plan = autopar.plan(
@@ -87,7 +86,7 @@ def test_ranks_given_different_plans_all_raise(tmp_path):
                 inputs,
                 loss_fn=loss_fn,
                 example_targets=targets,
-                memory_budget=budget,
+                memory_fraction=fraction,
             )
         paths.append(str(tmp_path / f"plan{i}.json"))
         plan.save(paths[-1])

@@ -40,8 +40,8 @@ def _gpt(seed: int) -> GPT:
 
 
 def _compile(model, mesh, tokens, targets, fraction: float):
-    """Compile with a budget of ``fraction`` of replicated parameter state, so that the plan
-    shards parameters (each rank then holds different parts)."""
+    """Compile with a budget of ``fraction`` of what one device holds for the step, so that
+    the plan shards parameters (each rank then holds different parts)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return autopar.compile(
@@ -50,7 +50,7 @@ def _compile(model, mesh, tokens, targets, fraction: float):
             (tokens,),
             loss_fn=cross_entropy_loss,
             example_targets=(targets,),
-            memory_budget=fraction * autopar.replicated_state_bytes(model),
+            memory_fraction=fraction,
         )
 
 

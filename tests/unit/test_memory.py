@@ -20,6 +20,7 @@ import autopar
 from autopar.core import local_shape
 from autopar.models import EXAMPLES
 from autopar.passes.memory import CATEGORIES, simulate
+from autopar.passes.strategies import build_strategies
 from autopar.passes.trace import trace_step
 from autopar.verify import LiveStorages
 
@@ -35,13 +36,15 @@ def _traced(name, mesh, **plan_kwargs):
     stack = contextlib.ExitStack()
     with stack:
         step = trace_step(model, inputs, loss_fn=loss_fn, example_targets=targets, stack=stack)
-    return model, inputs, targets, plan, step
+    return model, inputs, targets, plan, step, build_strategies(step, mesh)
 
 
 @pytest.mark.parametrize("name", ["mlp", "gpt-tied", "hf-llama"])
 def test_simulated_peak_is_the_measured_peak_on_one_device(name):
-    model, inputs, targets, plan, step = _traced(name, autopar.Mesh((1,), ("dp",), device="cpu"))
-    report = simulate(step, plan, optimizer="none")
+    model, inputs, targets, plan, step, space = _traced(
+        name, autopar.Mesh((1,), ("dp",), device="cpu")
+    )
+    report = simulate(space, plan, optimizer="none")
     params = [p.detach() for _, p in model.named_parameters(remove_duplicate=False)]
     buffers = [b for _, b in model.named_buffers(remove_duplicate=False)]
     tangent = [torch.ones(())] if step.has_loss else []
@@ -63,10 +66,8 @@ def test_simulated_peak_is_the_measured_peak_on_one_device(name):
 
 def test_sharded_parameters_and_adamw_state_are_the_local_shards():
     mesh = autopar.Mesh((2, 2), ("dp", "tp"), device="h100")
-    model, _, _, _, _ = _traced("gpt", mesh)
-    budget = 0.5 * autopar.replicated_state_bytes(model)
-    _, _, _, plan, step = _traced("gpt", mesh, memory_budget=budget)
-    report = simulate(step, plan, optimizer="adamw")
+    model, _, _, plan, _, space = _traced("gpt", mesh, memory_fraction=0.5)
+    report = simulate(space, plan, optimizer="adamw")
     named = dict(model.named_parameters())
     local = {
         n: math.prod(local_shape(tuple(named[n].shape), ps, mesh.shape))
@@ -78,8 +79,18 @@ def test_sharded_parameters_and_adamw_state_are_the_local_shards():
     assert report.at_peak["optimizer_state"] == 2 * 4 * sum(local.values())
     # the plan redistributes somewhere: a collective buffer is live at that node
     assert plan.collectives
-    sgd = simulate(step, plan, optimizer="sgd")
+    # the plan carries the timeline by category, and it round-trips through JSON
+    step = plan.memory["step"]
+    tl = step["timeline"]
+    assert len(tl["nodes"]) == plan.stats["nodes"] and set(tl) == {"nodes", *CATEGORIES}
+    totals = [sum(tl[c][i] for c in CATEGORIES) for i in range(len(tl["nodes"]))]
+    assert max(totals) == step["peak_bytes"] == report.peak_bytes
+    assert tl["nodes"][totals.index(max(totals))] == step["peak_node"]
+    assert autopar.Plan.from_json(plan.to_json()).memory == plan.memory
+    # the solver bounded what the report says
+    assert step["peak_bytes"] <= plan.stats["memory_budget"]
+    sgd = simulate(space, plan, optimizer="sgd")
     assert sgd.at_peak["optimizer_state"] == 0
     assert sgd.peak_bytes < report.peak_bytes
     with pytest.raises(ValueError, match="optimizer 'lion'"):
-        simulate(step, plan, optimizer="lion")
+        simulate(space, plan, optimizer="lion")

@@ -1,3 +1,5 @@
+import math
+import re
 import warnings
 
 import pytest
@@ -52,17 +54,23 @@ def test_plan_records_param_placements_stats_and_summary():
 
 def test_memory_budget_forces_parameters_to_be_sharded():
     mesh = Mesh((4,), ("dp",))
-    free = _gpt_plan(mesh)
-    full = free.memory["param_bytes_total"]
-    tight = _gpt_plan(mesh, memory_budget=4 * full * 0.4)
-    assert tight.memory["param_bytes_per_rank"] <= 0.4 * full
+    one = _gpt_plan(Mesh((1,), ("dp",)))  # what one device holds for the whole step
+    free = _gpt_plan(mesh, memory_budget=math.inf)
+    assert all(p == ("R",) for p in (free.nodes[n].out[0] for n in free.params.values()))
+    tight = _gpt_plan(mesh, memory_fraction=0.4)
+    assert tight.stats["memory_budget"] == int(0.4 * one.memory["step"]["peak_bytes"])
+    assert tight.memory["step"]["peak_bytes"] <= tight.stats["memory_budget"]
+    assert free.memory["step"]["peak_bytes"] > tight.stats["memory_budget"]
     assert any(p != ("R",) for p in (tight.nodes[n].out[0] for n in tight.params.values()))
     assert tight.cost["total_s"] >= free.cost["total_s"]
 
 
 def test_impossible_memory_budget_is_a_clear_error():
-    with pytest.raises(SolveError, match="memory budget"):
+    with pytest.raises(SolveError, match="memory budget of 0.0 MiB") as e:
         _gpt_plan(Mesh((2,), ("dp",)), memory_budget=1000)
+    (least,) = re.findall(r"\((\d+) bytes\)", str(e.value))
+    assert "dominate" in str(e.value)
+    _gpt_plan(Mesh((2,), ("dp",)), memory_budget=int(least))  # that one fits
 
 
 def test_plan_takes_an_autopar_mesh():

@@ -21,7 +21,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 import autopar.passes.solve as solve_pass
 from autopar.core import Edge, Mesh, Sink, Strategy, StrategySpace, TensorInput
 from autopar.cost_models import compute_time, get_profile, redistribute_time
-from autopar.passes.solve import STATE_COPIES, SolveError, solve
+from autopar.passes.solve import SolveError, solve
 
 R, S0, S1, P = Replicate(), Shard(0), Shard(1), Partial()
 MM = torch.ops.aten.mm.default
@@ -113,11 +113,25 @@ def _brute_force(space: StrategySpace) -> list[tuple[float, dict[str, Strategy]]
     return sorted(results, key=lambda r: r[0])
 
 
-def _state_bytes(space, pick) -> int:
-    return sum(
-        STATE_COPIES * math.prod(_local(space.shapes[w][0][0], pick[w].out[0])) * 4
-        for w in ("w1", "w2")
-    )
+def _peak(space, pick) -> int:
+    """The step's peak bytes per rank, by hand for this graph: the batch and each weight
+    with its two AdamW moments held throughout; h from its matmul through y's; y to the
+    end; a redistributed input's buffer at the node that takes it."""
+
+    def size(name, ps):
+        return math.prod(_local(space.shapes[name][0][0], ps)) * 4
+
+    held = size("x", pick["x"].out[0]) + sum(3 * size(w, pick[w].out[0]) for w in ("w1", "w2"))
+
+    def buffers(n):
+        total = 0
+        for j, (src, _) in enumerate(space.in_sources[n]):
+            q = pick[n].ins[j]
+            total += size(src, q) if q != pick[src].out[0] else 0
+        return total
+
+    h, y = size("h", pick["h"].out[0]), size("y", pick["y"].out[0])
+    return max(held + h + buffers("h"), held + h + y + buffers("y"))
 
 
 def test_chained_matmuls_pair_column_then_row():
@@ -146,25 +160,27 @@ def test_a_memory_budget_forces_the_weights_to_be_sharded():
     # without a budget the batch is split and the weights stay whole
     assert free.chosen(space, "h") == DATA and free.chosen(space, "w1").out[0] == (R,)
     assert free.objective_s == pytest.approx(ranked[0][0], rel=1e-9)
-    full = _state_bytes(space, {"w1": Strategy(((R,),), ()), "w2": Strategy(((R,),), ())})
-    budget = 0.5 * full  # both weights halved, or no plan
+    free_pick = {n: free.chosen(space, n) for n in space.order}
+    assert free.stats["peak_bytes"] == _peak(space, free_pick)
+    budget = 0.75 * _peak(space, free_pick)  # the whole weights no longer fit beside the rest
     tight = solve(space, memory_budget=budget, mip_gap=0.0)
     pick = {n: tight.chosen(space, n) for n in space.order}
-    assert _state_bytes(space, pick) <= budget
-    assert pick["w1"].out[0] != (R,) and pick["w2"].out[0] != (R,)
-    best_within = min(t for t, p in ranked if _state_bytes(space, p) <= budget)
+    assert _peak(space, pick) <= budget
+    assert tight.stats["peak_bytes"] == _peak(space, pick)
+    assert pick["w1"].out[0] != (R,) or pick["w2"].out[0] != (R,)
+    best_within = min(t for t, p in ranked if _peak(space, p) <= budget)
     assert tight.objective_s == pytest.approx(best_within, rel=1e-9)
     assert tight.objective_s > free.objective_s
 
 
 def test_an_impossible_budget_names_the_smallest_feasible_one():
     space = _space(batch=4096, hidden=1024, ffn=4096, data_parallel=True)
-    least = min(_state_bytes(space, p) for _, p in _brute_force(space))
-    assert least == STATE_COPIES * 2 * (1024 * 4096 // 2) * 4  # both weights halved
+    least = min(_peak(space, p) for _, p in _brute_force(space))
     with pytest.raises(SolveError, match="smallest budget that fits") as e:
-        solve(space, memory_budget=least - 1)
+        solve(space, memory_budget=least - 1024)  # above the solver's tolerance (~0.1 byte)
     (named,) = re.findall(r"\((\d+) bytes\)", str(e.value))
     assert int(named) == least
+    assert "optimizer state dominate" in str(e.value)  # 2 of every 3 weight bytes
     # and that budget is feasible
     solve(space, memory_budget=least)
 
