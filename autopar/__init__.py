@@ -7,11 +7,12 @@ processes or weights.
 """
 
 from .api import PlanMismatchError, compile, plan, plan_step
-from .core import Mesh, NodeChoice, Plan, __version__
+from .core import Mesh, MixedPrecision, NodeChoice, Plan, __version__, cast_parameters
 from .runtime import ParallelModule, PeerLostError
 
 __all__ = [
     "Mesh",
+    "MixedPrecision",
     "NodeChoice",
     "ParallelModule",
     "Plan",
@@ -21,4 +22,5 @@ __all__ = [
     "plan",
     "plan_step",
     "__version__",
+    "cast_parameters",
 ]

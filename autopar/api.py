@@ -27,7 +27,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .core import Mesh, Plan
+from .core import Mesh, MixedPrecision, Plan
 from .passes.pipeline import (
     COMPILE_STAGES,
     PLAN_STAGES,
@@ -123,10 +123,11 @@ def _gc_paused():
 
 
 def _trace(
-    model, example_inputs, loss_fn, example_targets, stack, stats, meta_device="cpu"
+    model, example_inputs, loss_fn, example_targets, stack, stats, meta_device="cpu", mp=None
 ) -> StepGraph:
     state = {
         "meta_device": meta_device,
+        "mp_policy": mp,
         "model": model,
         "example_inputs": example_inputs,
         "loss_fn": loss_fn,
@@ -149,6 +150,7 @@ def plan(
     skip=(),
     optimizer: str = "adamw",
     memory_fraction: float | None = None,
+    mp_policy: MixedPrecision | None = None,
 ) -> Plan:
     """Plan ``model`` for ``mesh`` without processes or weights (a meta model works).
 
@@ -161,7 +163,9 @@ def plan(
     False plans every node on its own (slower, for comparison): the same as
     ``skip={"fold"}``. ``skip``: names of pipeline stages not to run (passes/pipeline).
     ``optimizer``: whose state the step memory counts (``adamw``, ``sgd_momentum``,
-    ``sgd``, ``none``).
+    ``sgd``, ``none``). ``mp_policy``: mixed precision (``autopar.MixedPrecision``, as
+    FSDP2's policy): compute in ``param_dtype`` from float32 parameters, gradients reduced
+    in ``reduce_dtype``; planned, priced and counted as the step runs it.
     """
     if not isinstance(mesh, Mesh):
         raise TypeError(
@@ -171,7 +175,7 @@ def plan(
     options = _options(time_limit_s, memory_budget, fold, skip, optimizer, memory_fraction)
     stats: dict = {}
     with contextlib.ExitStack() as stack:
-        step = _trace(model, example_inputs, loss_fn, example_targets, stack, stats)
+        step = _trace(model, example_inputs, loss_fn, example_targets, stack, stats, mp=mp_policy)
         return _search(step, mesh, options, stats)
 
 
@@ -250,6 +254,7 @@ def compile(  # noqa: A001 - the documented name
     memory_budget: float | None = None,
     memory_fraction: float | None = None,
     optimizer: str = "adamw",
+    mp_policy: MixedPrecision | None = None,
     fold: bool = True,
     skip=(),
     init_weights: Callable[[nn.Module], None] | None = None,
@@ -261,8 +266,9 @@ def compile(  # noqa: A001 - the documented name
     ``pm(*local_inputs, *local_targets)`` returns the global loss on every rank; without it,
     ``pm(*local_inputs)`` returns the outputs of the local batch. ``plan`` (a ``Plan`` or the
     path of its JSON) skips planning. ``device`` names the cost profile (default: h100 on
-    cuda, cpu otherwise). ``memory_budget``, ``memory_fraction``, ``optimizer``, ``fold``,
-    ``skip``: as in ``plan``. The codegen stage's time and size are
+    cuda, cpu otherwise). ``memory_budget``, ``memory_fraction``, ``optimizer``,
+    ``mp_policy``, ``fold``, ``skip``: as in ``plan`` (the parameters stay float32 DTensors;
+    ``pm`` computes in ``mp_policy.param_dtype``). The codegen stage's time and size are
     in ``pm.stats``.
 
     A model on the meta device is materialized as this rank's shards only (runtime/init):
@@ -289,8 +295,9 @@ def compile(  # noqa: A001 - the documented name
     stats: dict = {}
     with contextlib.ExitStack() as stack:
         step = _trace(
-            model, example_inputs, loss_fn, example_targets, stack, stats, mesh.device_type
-        )
+            model, example_inputs, loss_fn, example_targets, stack, stats, mesh.device_type,
+            mp_policy,
+        )  # fmt: skip
         if plan is None:
             plan = _plan_on_rank0(step, amesh, options, stats)
         else:

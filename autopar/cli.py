@@ -16,8 +16,10 @@ import argparse
 import sys
 import warnings
 
+import torch
+
 from . import api
-from .core import Mesh, Plan, __version__
+from .core import Mesh, MixedPrecision, Plan, __version__
 from .models import EXAMPLES
 from .verify import build_example, log_stages, verify
 
@@ -46,6 +48,12 @@ def _axes(shape, text: str | None) -> tuple[str, ...]:
     return names
 
 
+_PRECISIONS = {
+    "model": None,
+    "bf16-mixed": MixedPrecision(torch.bfloat16, reduce_dtype=torch.float32),
+}
+
+
 def plan_example(
     name: str,
     mesh,
@@ -55,6 +63,7 @@ def plan_example(
     memory_fraction: float | None = None,
     verbose: bool = False,
     fold: bool = True,
+    mp_policy=None,
 ):
     """Plan a zoo example (or ``file.py:factory``) on the meta device for ``mesh``.
 
@@ -76,6 +85,7 @@ def plan_example(
             memory_budget=memory_budget,
             memory_fraction=memory_fraction,
             fold=fold,
+            mp_policy=mp_policy,
         )
 
 
@@ -91,6 +101,7 @@ def cmd_plan(args) -> int:
         memory_budget=budget,
         memory_fraction=args.memory_fraction,
         verbose=args.verbose,
+        mp_policy=_PRECISIONS[args.precision],
         fold=not args.no_fold,
     )
     print(plan.summary())
@@ -181,6 +192,13 @@ def main(argv=None) -> int:
         type=_positive,
         default=None,
         help="instead, a fraction of what one device holds running the whole step",
+    )
+    pp.add_argument(
+        "--precision",
+        choices=sorted(_PRECISIONS),
+        default="model",
+        help="model: the model's own dtype; bf16-mixed: float32 parameters and AdamW state, "
+        "bf16 compute, gradients reduced in float32",
     )
     pp.add_argument(
         "--no-fold", action="store_true", help="plan every layer on its own (no folding)"

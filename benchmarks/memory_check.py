@@ -26,16 +26,19 @@ from autopar.runtime import run_local
 from autopar.verify import LiveStorages
 
 TARGET = 0.10
+MIXED = "bf16-mixed"  # float32 parameters and AdamW state, bf16 compute, float32 reduction
 CASES = [
-    ("mlp", (2,), None),
-    ("mlp", (2, 2), 0.5),
-    ("gpt", (2,), None),
-    ("gpt", (2, 2), 0.5),
-    ("hf-llama", (2, 2), 0.5),
+    ("mlp", (2,), None, "fp32"),
+    ("mlp", (2, 2), 0.5, "fp32"),
+    ("gpt", (2,), None, "fp32"),
+    ("gpt", (2, 2), 0.5, "fp32"),
+    ("hf-llama", (2, 2), 0.5, "fp32"),
+    ("gpt", (2, 2), 0.5, MIXED),
+    ("hf-llama", (2, 2), 0.5, MIXED),
 ]
 
 
-def _measure(rank, world, example, mesh_shape, fraction):
+def _measure(rank, world, example, mesh_shape, fraction, precision):
     from torch.distributed.device_mesh import init_device_mesh
 
     import autopar
@@ -47,7 +50,15 @@ def _measure(rank, world, example, mesh_shape, fraction):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         pm = autopar.compile(
-            model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, memory_fraction=fraction
+            model,
+            mesh,
+            inputs,
+            loss_fn=loss_fn,
+            example_targets=targets,
+            memory_fraction=fraction,
+            mp_policy=autopar.MixedPrecision(torch.bfloat16, torch.float32)
+            if precision == MIXED
+            else None,
         )
     local = pm.shard_inputs(*inputs, *targets)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, foreach=False)
@@ -80,16 +91,16 @@ def main(argv=None) -> int:
     from common import print_header
 
     print_header(
-        "gloo on this machine; float32; AdamW; measured during the 3rd step, max over ranks",
-        ["model", "mesh", "budget", "predicted MiB", "measured MiB", "ratio", "peak at",
+        "gloo on this machine; AdamW; measured during the 3rd step, max over ranks",
+        ["model", "mesh", "precision", "budget", "predicted MiB", "measured MiB", "ratio", "peak at",
          "predicted breakdown at peak (MiB)"],
     )  # fmt: skip
     worst = 0.0
-    for example, mesh_shape, fraction in CASES:
+    for example, mesh_shape, fraction, precision in CASES:
         world = 1
         for s in mesh_shape:
             world *= s
-        results = run_local(_measure, world, example, mesh_shape, fraction)
+        results = run_local(_measure, world, example, mesh_shape, fraction, precision)
         measured = max(r[0] for r in results)
         step = results[0][1]
         predicted = step["peak_bytes"]
@@ -97,7 +108,7 @@ def main(argv=None) -> int:
         worst = max(worst, abs(ratio - 1))
         parts = ", ".join(f"{k} {v / 2**20:.2f}" for k, v in step["at_peak"].items() if v)
         print(
-            f"| {example} | {'x'.join(map(str, mesh_shape))} | "
+            f"| {example} | {'x'.join(map(str, mesh_shape))} | {precision} | "
             f"{'none' if fraction is None else f'{fraction:.0%} of one device'} | "
             f"{predicted / 2**20:.3f} | {measured / 2**20:.3f} | {ratio:.3f} | "
             f"{step['peak_node']} | {parts} |",

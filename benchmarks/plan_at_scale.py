@@ -1,9 +1,11 @@
 """Plan Llama-3-8B and a GPT-3-like 96-layer model from the meta device, end to end.
 
     python benchmarks/plan_at_scale.py [--models llama3-8b,gpt3] [--meshes 8,8x8,16x8]
-        [--memory-gib G] [--no-fold]
+        [--memory-gib G] [--precision bf16-mixed|fp32] [--no-fold]
 
 No weights are allocated (``autopar.models.llama3_8b`` / ``gpt3``, batch 8 x 2048 tokens).
+``--precision bf16-mixed`` (the default, as these models are trained): float32 parameters and
+AdamW state, bf16 compute, gradients reduced in float32 (``autopar.MixedPrecision``).
 "plan s" is the wall time of ``autopar.plan`` (tracing included); the stage columns come
 from ``plan.stats``. ``--memory-gib`` is the per-rank budget for the step's peak (passes/memory:
 parameters, gradients, AdamW state, activations, temporaries, collective buffers; default:
@@ -17,6 +19,7 @@ import argparse
 import time
 import warnings
 
+import torch
 from common import print_header
 
 import autopar
@@ -30,12 +33,13 @@ def main() -> None:
     ap.add_argument("--meshes", default="8,8x8,16x8")
     ap.add_argument("--device", default="h100")
     ap.add_argument("--memory-gib", type=float, default=None)
+    ap.add_argument("--precision", choices=["bf16-mixed", "fp32"], default="bf16-mixed")
     ap.add_argument("--no-fold", action="store_true")
     args = ap.parse_args()
     print_header(
         f"profile {args.device}; fold {not args.no_fold}; step memory budget "
         + ("the profile's usable memory" if args.memory_gib is None else f"{args.memory_gib} GiB")
-        + " per rank; AdamW",
+        + f" per rank; AdamW; {args.precision}",
         [
             "model",
             "mesh",
@@ -56,6 +60,9 @@ def main() -> None:
         ],
     )
     warnings.simplefilter("ignore")
+    policy = None
+    if args.precision == "bf16-mixed":
+        policy = autopar.MixedPrecision(torch.bfloat16, reduce_dtype=torch.float32)
     for name in args.models.split(","):
         for text in args.meshes.split(","):
             shape = tuple(int(s) for s in text.split("x"))
@@ -71,6 +78,7 @@ def main() -> None:
                     example_targets=targets,
                     memory_budget=None if args.memory_gib is None else args.memory_gib * 2**30,
                     fold=not args.no_fold,
+                    mp_policy=policy,
                 )
             except SolveError as e:
                 wall = time.perf_counter() - t0

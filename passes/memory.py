@@ -36,7 +36,10 @@ SGD with momentum one, none zero; constant over the step).
 What it leaves out: the allocator's rounding and fragmentation, and kernels' own workspace.
 Where it can be off: the emitted step runs aot_autograd's partitioned forward and backward
 (``default_partition``: it saves what the backward reads, and keeps the joint graph's order
-of each part); benchmarks/memory_check.py measures by how much. Not yet: mixed precision.
+of each part); benchmarks/memory_check.py measures by how much. Mixed precision needs nothing
+of its own: the compute copies are ``_to_copy`` outputs of the graph (passes/trace), sized
+in their dtype like any other tensor; the optimizer state is float32 per element of the
+stored (float32) parameters.
 """
 
 from __future__ import annotations

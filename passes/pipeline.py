@@ -5,8 +5,8 @@ the state, with each stage's output under the stage's name, and the stage statis
 to ``stats``. The pipeline of docs/architecture.md, as entries:
 
     stage        reads                                   output        statistics
-    trace        model, example_inputs, loss_fn,         StepGraph     nodes
-                 example_targets, stack
+    trace        model, example_inputs, loss_fn,         StepGraph     nodes,
+                 example_targets, stack, mp_policy                     mixed_precision
     fold         trace                                   FoldedGraph   fold, fold_regions,
                                                           (None when     folded_nodes,
                                                           skipped)       fold_groups
@@ -157,11 +157,17 @@ def _trace(state: dict) -> StepGraph:
         example_targets=state.get("example_targets"),
         stack=state["stack"],
         meta_device=state.get("meta_device", "cpu"),
+        mp_policy=state.get("mp_policy"),
     )
 
 
 def _trace_stats(step: StepGraph | None) -> dict:
-    return {"nodes": sum(1 for n in step.gm.graph.nodes if n.op != "output")} if step else {}
+    if step is None:
+        return {}
+    stats: dict[str, Any] = {"nodes": sum(1 for n in step.gm.graph.nodes if n.op != "output")}
+    if step.mp_policy is not None:
+        stats["mixed_precision"] = step.mp_policy.text()
+    return stats
 
 
 def _fold(state: dict) -> FoldedGraph:

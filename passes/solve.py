@@ -60,6 +60,15 @@ An impossible budget is reported with the smallest one that fits and the categor
 dominates it (``smallest_budget``: min M over the same ILP with bytes(i) <= M at the points
 the same loop adds).
 
+Mixed precision (``StrategySpace.reduce_at``, from passes/trace): a parameter's gradient
+reaches it through a cast from the compute dtype; ``reduce_dtype`` says on which side of
+the cast the gradient is reduced across ranks. "after": the pairs of the edge into the cast
+that turn a Partial into anything else are left out (the cast takes the partial sum, the
+reduction happens in the parameter's dtype, at the graph output); "before": the pairs that
+deliver a Partial into the cast are left out (it is reduced in the compute dtype, and that
+edge gets the gradient-overlap discount of a graph output). Such a cast is never merged
+(simplification 1), so that its edge exists.
+
 Folding (passes/fold, ``StrategySpace.rep``; ``_Folding``): the instances of a folded
 region take their representative's strategy, so only representatives have variables. With
 r(v) the representative of v:
@@ -123,7 +132,7 @@ from typing import Any
 
 import torch
 from ortools.linear_solver import pywraplp
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Partial, Replicate
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils._pytree import tree_map
 
@@ -251,6 +260,15 @@ def _edge_cost(src_ps, dst_ps, shape_dtype, mesh, profile) -> float | None:
         return None
 
 
+def _reduces_as(src_ps, dst_ps, reduce: str) -> bool:
+    """Whether p -> q keeps to a gradient cast's ``reduce_at`` (``_pair_variables``)."""
+    if reduce == "before":
+        return not any(isinstance(b, Partial) for b in dst_ps)
+    return not any(
+        isinstance(a, Partial) and not isinstance(b, Partial) for a, b in zip(src_ps, dst_ps)
+    )
+
+
 @dataclass
 class _Folding:
     """Representatives (module docstring, "Folding"): r(v), n_r, and the producers of each
@@ -367,7 +385,7 @@ class IlpBuilder:
         """The producer (representative, output) node ``name`` is merged into, if any."""
         if not self.merge:
             return None
-        if self.space.roles.get(name) in _STATE_ROLES:
+        if self.space.roles.get(name) in _STATE_ROLES or name in self.space.reduce_at:
             return None
         if not _follows(self.space, name):
             return None
@@ -424,10 +442,21 @@ class IlpBuilder:
     # -- e, margins, R ---------------------------------------------------------------------
 
     def _pair_variables(
-        self, labels, src, src_out, dst_groups: dict, *, follow=False, max_axes=None, scale=1.0
+        self,
+        labels,
+        src,
+        src_out,
+        dst_groups: dict,
+        *,
+        follow=False,
+        max_axes=None,
+        scale=1.0,
+        reduce: str | None = None,
     ) -> list[tuple[Any, tuple, tuple]]:
         """e[u,p,v,q] for every allowed pair, tied to Y[u,p] and Z[v,q]; R(p,q) * m.
-        Returns the pairs as ``(e, p, q)``."""
+        ``reduce`` (a gradient cast's ``reduce_at``): "after" leaves out the pairs that
+        reduce a Partial, "before" those that deliver one. Returns the pairs as
+        ``(e, p, q)``."""
         space = self.space
         shape_dtype = space.tensor(src, src_out)
         src_groups = self.out_group(src, src_out)
@@ -439,6 +468,8 @@ class IlpBuilder:
                 if follow and p in dst_groups and p != q:
                     continue
                 if max_axes is not None and sum(a != b for a, b in zip(p, q)) > max_axes:
+                    continue
+                if reduce is not None and not _reduces_as(p, q, reduce):
                     continue
                 c = _edge_cost(p, q, shape_dtype, space.mesh, self.profile)
                 if c is None:
@@ -468,13 +499,17 @@ class IlpBuilder:
             q_edges[(f.rep(e.src), e.src_out, f.rep(e.dst), e.dst_in)].append(f"{e.src}->{e.dst}")
         for key, labels in q_edges.items():
             src, src_out, dst, dst_in = key
+            reduce = space.reduce_at.get(dst)
             self.pairs[key] = self._pair_variables(
                 labels,
                 src,
                 src_out,
                 self.in_group(dst, dst_in),
-                follow=self.merge and _follows(space, dst),
+                follow=self.merge and _follows(space, dst) and reduce is None,
                 max_axes=self.reshard_axes,
+                reduce=reduce,
+                # a gradient reduced before its cast overlaps the backward as one at the end
+                scale=1.0 - self.grad_overlap if reduce == "before" else 1.0,
             )
 
     def output_terms(self) -> None:

@@ -519,6 +519,7 @@ def build_strategies(
     b.graph_outputs()
     sp.rep = {n: r for n, r in rep.items() if n != r}
     sp.notes = list(step.notes)
+    sp.reduce_at = dict(step.reduce_at)
     return sp
 
 

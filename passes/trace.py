@@ -40,6 +40,12 @@ Ops without a sharding rule that torch can decompose are decomposed while the jo
 built (``rules.decompositions_without_rules``: ``mse_loss``, ``floor_divide``, ...), so the
 graph holds ops the planner can shard.
 
+Mixed precision (``mp_policy``, core/precision.py): the export runs under
+``cast_parameters``, so each parameter's compute copy is a ``_to_copy`` node inside the module
+that owns it (and folds with it), and each gradient reaches its float32 parameter through the
+backward ``_to_copy``; those casts are listed in ``StepGraph.reduce_at`` with the side of them
+on which ``reduce_dtype`` puts the gradient's reduction (the solver keeps to it).
+
 A model on the meta device is traced as fake CPU tensors (``_meta_to_fake``); shape
 assertions of the global graph are dropped (``_drop_asserts``: no rank holds global shapes);
 a parameter tied under two names is two graph inputs, recorded in ``StepGraph.alias_of``.
@@ -78,7 +84,7 @@ from torch._functorch.aot_autograd import (
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.overrides import TorchFunctionMode
 
-from autopar.core import ops, roles
+from autopar.core import MixedPrecision, cast_parameters, ops, roles
 
 from . import rules
 
@@ -128,6 +134,11 @@ class StepGraph:
         alias_of: for a tied parameter (one tensor under several names), each later name
             -> the first name; both are graph inputs, and must be placed alike.
         trace_s: seconds spent tracing.
+        mp_policy: the mixed precision the step was traced under (None: none).
+        reduce_at: for each gradient cast of ``mp_policy`` (the backward's cast of a
+            parameter's gradient from the compute dtype to the parameter's), where the
+            gradient must be reduced across ranks: ``"after"`` the cast (in the parameter's
+            dtype) or ``"before"`` it (in the compute dtype), as ``reduce_dtype`` says.
     """
 
     gm: torch.fx.GraphModule
@@ -143,6 +154,8 @@ class StepGraph:
     notes: list[str] = field(default_factory=list)
     alias_of: dict[str, str] = field(default_factory=dict)
     trace_s: float = 0.0
+    mp_policy: MixedPrecision | None = None
+    reduce_at: dict[str, str] = field(default_factory=dict)
 
     def placeholders(self) -> list[torch.fx.Node]:
         return list(self.gm.graph.find_nodes(op="placeholder"))
@@ -303,6 +316,25 @@ def _meta_to_fake(model: nn.Module, inputs, targets, device: str = "cpu"):
     return model, tuple(fake(t) for t in inputs), tuple(fake(t) for t in targets)
 
 
+def _gradient_casts(gm, out, grad_of: dict[int, str], policy: MixedPrecision | None) -> dict:
+    """``StepGraph.reduce_at``: the backward casts that make a parameter's gradient from its
+    compute copy's (``_to_copy`` from ``param_dtype``, as the output of the step)."""
+    if policy is None:
+        return {}
+    found = {}
+    outs = out.args[0]
+    for i in grad_of:
+        n = outs[i]
+        if not isinstance(n, torch.fx.Node) or n.target is not torch.ops.aten._to_copy.default:
+            continue
+        src = n.args[0]
+        if not isinstance(src, torch.fx.Node) or src.meta["val"].dtype != policy.param_dtype:
+            continue
+        keep = n.meta["val"].dtype == policy.reduce
+        found[n.name] = "after" if keep else "before"
+    return found
+
+
 def _check_inputs(model, example_inputs, loss_fn, example_targets):
     if not isinstance(model, nn.Module):
         raise TypeError(f"autopar traces an nn.Module, got {type(model).__name__}")
@@ -334,9 +366,11 @@ def trace_step(
     example_targets=None,
     stack: contextlib.ExitStack,
     meta_device: str = "cpu",
+    mp_policy: MixedPrecision | None = None,
 ) -> StepGraph:
     """Trace ``loss_fn(model(*example_inputs), *example_targets)`` into a joint graph
-    (meta tensors as fake tensors on ``meta_device``)."""
+    (meta tensors as fake tensors on ``meta_device``), under ``mp_policy``'s casts
+    (core/precision.py) when given."""
     inputs, targets = _check_inputs(model, example_inputs, loss_fn, example_targets)
     first_name: dict[int, str] = {}
     alias_of: dict[str, str] = {}
@@ -352,7 +386,7 @@ def trace_step(
     t0 = time.perf_counter()
     attention = _TargetAttention()
     try:
-        with attention:
+        with attention, cast_parameters(model, mp_policy):
             ep = torch.export.export(step, args, strict=False)
     except Exception as e:  # noqa: BLE001 - rewrap with the module that failed
         where = _failing_module(model, e)
@@ -437,6 +471,8 @@ def trace_step(
     return StepGraph(
         gm=gm,
         joint=joint,
+        mp_policy=mp_policy,
+        reduce_at=_gradient_casts(gm, out, grad_of, mp_policy),
         param_names=param_names,
         buffer_names=buffer_names,
         n_inputs=len(inputs),

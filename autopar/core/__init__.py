@@ -10,6 +10,7 @@ Every other layer stands on these (docs/architecture.md):
     ``Plan``, ``NodeChoice``       core/plan.py        the plan, serializable
     ``CompiledStep``               core/compiled.py    what codegen hands the runtime
     ``autopar::sdpa`` (+ backward) core/ops.py         one attention op on every device
+    ``MixedPrecision``             core/precision.py   mixed precision policy, its casts
 """
 
 from . import ops
@@ -27,6 +28,7 @@ from .placements import (
     placement_str,
 )
 from .plan import PLAN_FORMAT, STATS_ORDER, NodeChoice, Plan
+from .precision import MixedPrecision, cast_parameters
 from .roles import op_name
 from .space import (
     COLLECTIVE_KINDS,
@@ -48,6 +50,7 @@ __all__ = [
     "CompiledStep",
     "Edge",
     "Mesh",
+    "MixedPrecision",
     "NodeChoice",
     "Placements",
     "Plan",
@@ -57,6 +60,7 @@ __all__ = [
     "StrategySpace",
     "TensorInput",
     "__version__",
+    "cast_parameters",
     "contiguous_stride",
     "divides",
     "is_planned",

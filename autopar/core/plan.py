@@ -301,8 +301,10 @@ class Plan:
             ps = self.nodes[node].placement()
             lines.append(f"input {i}: " + ", ".join(f"{a}={p}" for a, p in zip(axes, ps)))
         c = self.cost
+        precision = self.stats.get("mixed_precision")
         lines += [
             "",
+            *([f"mixed precision: {precision}"] if precision else []),
             f"estimated step time: {c.get('total_s', 0) * 1e3:.4f} ms "
             f"(compute {c.get('compute_s', 0) * 1e3:.4f} ms, "
             f"communication {c.get('comm_s', 0) * 1e3:.4f} ms)",

@@ -125,6 +125,9 @@ class StrategySpace:
         n_outputs: how many outputs the graph returns (tensors or not).
         has_loss: the step returns a scalar loss (else the model outputs).
         notes: what the trace left for the user to know (they reach ``plan.warnings``).
+        reduce_at: gradient cast of a mixed-precision step -> where its gradient is reduced
+            across ranks: ``"after"`` (no reduction on its input edge) or ``"before"`` (its
+            input arrives reduced: no Partial placement into it). passes/trace.
     """
 
     mesh: Mesh
@@ -147,6 +150,7 @@ class StrategySpace:
     n_outputs: int = 0
     has_loss: bool = True
     notes: list[str] = field(default_factory=list)
+    reduce_at: dict[str, str] = field(default_factory=dict)
 
     @functools.cached_property
     def in_sources(self) -> dict[str, list[tuple[str, int]]]:

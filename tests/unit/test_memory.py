@@ -25,29 +25,50 @@ from autopar.passes.trace import trace_step
 from autopar.verify import LiveStorages
 
 
-def _traced(name, mesh, **plan_kwargs):
+def _traced(name, mesh, mp_policy=None, **plan_kwargs):
     torch.manual_seed(0)
     model, inputs, loss_fn, targets = EXAMPLES[name]()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         plan = autopar.plan(
-            model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, **plan_kwargs
+            model,
+            mesh,
+            inputs,
+            loss_fn=loss_fn,
+            example_targets=targets,
+            mp_policy=mp_policy,
+            **plan_kwargs,
         )
     stack = contextlib.ExitStack()
     with stack:
-        step = trace_step(model, inputs, loss_fn=loss_fn, example_targets=targets, stack=stack)
+        step = trace_step(
+            model,
+            inputs,
+            loss_fn=loss_fn,
+            example_targets=targets,
+            stack=stack,
+            mp_policy=mp_policy,
+        )
     return model, inputs, targets, plan, step, build_strategies(step, mesh)
 
 
-@pytest.mark.parametrize("name", ["mlp", "gpt-tied", "hf-llama"])
-def test_simulated_peak_is_the_measured_peak_on_one_device(name):
+MP = autopar.MixedPrecision(torch.bfloat16, torch.float32)
+
+
+@pytest.mark.parametrize(
+    "name, mp_policy",
+    [("mlp", None), ("gpt-tied", None), ("hf-llama", None), ("hf-llama", MP)],
+    ids=["mlp", "gpt-tied", "hf-llama", "hf-llama-bf16-mixed"],
+)
+def test_simulated_peak_is_the_measured_peak_on_one_device(name, mp_policy):
     model, inputs, targets, plan, step, space = _traced(
-        name, autopar.Mesh((1,), ("dp",), device="cpu")
+        name, autopar.Mesh((1,), ("dp",), device="cpu"), mp_policy
     )
     report = simulate(space, plan, optimizer="none")
     params = [p.detach() for _, p in model.named_parameters(remove_duplicate=False)]
     buffers = [b for _, b in model.named_buffers(remove_duplicate=False)]
-    tangent = [torch.ones(())] if step.has_loss else []
+    tangent = [torch.ones((), dtype=step.placeholders()[-1].meta["val"].dtype)]
+    tangent = tangent if step.has_loss else []
     args = [*params, *buffers, *inputs, *targets, *tangent]
     assert len(args) == len(step.placeholders())
     seen = LiveStorages()

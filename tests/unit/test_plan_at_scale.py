@@ -1,4 +1,4 @@
-"""Llama-3-8B on a (8, 8) H100 mesh, planned from the meta device on this machine.
+"""Llama-3-8B on a (8, 8) H100 mesh in bf16 mixed precision, planned from the meta device.
 
 32 layers fold into one group, so the solver sees one layer; the plan is Megatron's on one
 axis (column-parallel q/k/v/gate/up, row-parallel o/down) with the batch on the other,
@@ -9,6 +9,7 @@ benchmarks/plan_at_scale.py, not here.
 import warnings
 
 import pytest
+import torch
 from torch.distributed.tensor import Shard
 
 import autopar
@@ -16,6 +17,7 @@ from autopar.models import EXAMPLES
 
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW = ("o_proj", "down_proj")
+BF16 = autopar.MixedPrecision(torch.bfloat16, torch.float32)  # as Llama 3 is trained
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +26,9 @@ def llama3_plan():
     mesh = autopar.Mesh((8, 8), ("dp", "tp"), device="h100")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return autopar.plan(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets)
+        return autopar.plan(
+            model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, mp_policy=BF16
+        )
 
 
 def test_llama3_8b_layers_fold_into_one_group(llama3_plan):
