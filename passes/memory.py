@@ -22,6 +22,13 @@ emitted step (codegen runs the joint graph in its traced order, on local tensors
                    a collective buffer of size(q), live at node i only
     bytes(i)     = sum_{s live at i} size(s, P) + collective buffers of node i
                    + optimizer state
+    bytes(out)   = one more point after the last node, where the step returns: what
+                   lives to the end (the outputs, parameters, inputs), plus each output
+                   redistributed to the placement it leaves with (a gradient to its
+                   parameter's, the loss to Replicate): size under that placement, all of
+                   them live at once (codegen redistributes the outputs one after another
+                   and returns them together); the collective's own transient buffer is
+                   not counted
 
 bytes(i) is linear in the choice of placements (each term depends on one node's output
 placement or one edge's pair of placements), which is what lets the ILP bound it.
@@ -50,6 +57,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from torch.distributed.tensor import Replicate
 
 from autopar.core import Plan, StrategySpace, local_shape, parse_placements, roles
 
@@ -111,7 +119,8 @@ class Liveness:
     """The placement-free half of the model (module docstring).
 
     Attributes:
-        order: node names in step order (``bytes(i)`` is after ``order[i]``).
+        order: node names in step order (``bytes(i)`` is after ``order[i]``; point
+            ``len(order)`` is the step's return).
         storages: every storage, with its life.
         params: placeholders of the stored parameters (a tied one once): optimizer state.
         space: the strategy space it was read from (its tensors and edges).
@@ -122,9 +131,15 @@ class Liveness:
     params: list[str]
     space: StrategySpace
 
+    OUTPUT = "output"
+    """The name of the last point, ``len(order)``: where the step returns (``bytes(out)``)."""
+
     def live_at(self, i: int) -> list[Storage]:
-        """The storages live at node index ``i``."""
+        """The storages live at point ``i`` (``len(order)``: the step's return)."""
         return [s for s in self.storages if s.first <= i <= s.last]
+
+    def point_name(self, i: int) -> str:
+        return self.order[i] if i < len(self.order) else self.OUTPUT
 
     def reshard_inputs(self, i: int) -> list[tuple[int, str, int]]:
         """``(j, producer, output)`` of each tensor input of node ``order[i]``: where a
@@ -246,6 +261,26 @@ def liveness(space: StrategySpace) -> Liveness:
     return Liveness(order=list(order), storages=storages, params=params, space=space)
 
 
+def output_redistributions(lv: Liveness, out_ps: OutPlacement) -> list[tuple]:
+    """``(node, output, placement, category)`` of each graph output that leaves the step
+    with another placement than it is made with (``bytes(out)``)."""
+    space = lv.space
+    found = []
+    for sink in space.sinks:
+        p = out_ps(sink.src, sink.src_out)
+        if p is None:
+            continue
+        if sink.like is None:
+            q = tuple(Replicate() for _ in p)
+        else:
+            q = out_ps(sink.like, 0)
+        if q is None or tuple(q) == tuple(p):
+            continue
+        grad = sink.like is not None and space.roles[sink.like] == roles.PARAM
+        found.append((sink.src, sink.src_out, q, "gradients" if grad else "temporaries"))
+    return found
+
+
 def optimizer_bytes(storage: Storage, ps: Placements | None, mesh_shape, optimizer: str) -> int:
     """Optimizer state one rank holds for a parameter shard (float32 per element)."""
     return storage.nbytes(ps, mesh_shape) // storage.dtype.itemsize * 4 * OPTIMIZERS[optimizer]
@@ -260,8 +295,8 @@ def measure(
         raise ValueError(f"optimizer {optimizer!r}: one of {sorted(OPTIMIZERS)}")
     space = lv.space
     mesh_shape = tuple(space.mesh.shape)
-    n = len(lv.order)
-    # per category, the change of live bytes at each node: +size at first, -size after last
+    n = len(lv.order) + 1  # the nodes, and the return
+    # per category, the change of live bytes at each point: +size at first, -size after last
     delta = {c: [0] * (n + 1) for c in CATEGORIES}
     opt = 0
     param_set = set(lv.params)
@@ -273,6 +308,9 @@ def measure(
             d[s.last + 1] -= size
         if s.owner in param_set:
             opt += optimizer_bytes(s, out_ps(s.owner, s.out), mesh_shape, optimizer)
+    for src, so, target, category in output_redistributions(lv, out_ps):
+        shape, dtype = space.tensor(src, so)
+        delta[category][n - 1] += math.prod(local_shape(shape, target, mesh_shape)) * dtype.itemsize
     buffers = delta["collective_buffers"]
     for i, name in enumerate(lv.order):
         if space.targets[name] == "placeholder":
@@ -300,9 +338,9 @@ def measure(
     peak_i = max(range(n), key=lambda i: totals[i]) if n else 0
     return MemoryReport(
         peak_bytes=totals[peak_i] if n else 0,
-        peak_node=lv.order[peak_i] if n else "",
+        peak_node=lv.point_name(peak_i) if n else "",
         at_peak={c: by_category[c][peak_i] for c in CATEGORIES} if n else {},
-        timeline=list(zip(lv.order, totals)),
+        timeline=list(zip([*lv.order, lv.OUTPUT], totals)),
         by_category=by_category,
         optimizer=optimizer,
     )

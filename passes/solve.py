@@ -358,6 +358,8 @@ class IlpBuilder:
         self.edge_terms: list[_EdgeTerm] = []
         # (r(u), output, r(v), input) -> its pairs (e, p, q): where collective buffers live
         self.pairs: dict[tuple, list[tuple[Any, tuple, tuple]]] = {}
+        # graph outputs: (r(u), output, its pairs (variable, p, q), how many outputs)
+        self.sink_pairs: list[tuple[str, int, list, int]] = []
         self.n_edge_vars = 0
         self.cuts: list[int] = []
         self.times: dict[str, float] = {}
@@ -528,7 +530,11 @@ class IlpBuilder:
             if like is None:
                 # a fixed target (the loss: Replicate): priced on the producer's variables
                 shape_dtype = space.tensor(src, src_out)
-                for p, xs in self.out_group(src, src_out).items():
+                groups = self.out_group(src, src_out)
+                self.sink_pairs.append(
+                    (src, src_out, [(x, p, rep_ps) for p, xs in groups.items() for x in xs], 1)
+                )
+                for p, xs in groups.items():
                     c = _edge_cost(p, rep_ps, shape_dtype, space.mesh, self.profile)
                     if c is None:
                         self.lp.Add(sum(xs) == 0)
@@ -539,7 +545,8 @@ class IlpBuilder:
                 continue
             # a gradient's reduction overlaps the rest of the backward pass
             scale = 1.0 - self.grad_overlap if space.roles[like] == roles.PARAM else 1.0
-            self._pair_variables(labels, src, src_out, self.out_group(like, 0), scale=scale)
+            pairs = self._pair_variables(labels, src, src_out, self.out_group(like, 0), scale=scale)
+            self.sink_pairs.append((src, src_out, pairs, len(labels)))
 
     # -- ties and memory -------------------------------------------------------------------
 
@@ -559,7 +566,9 @@ class IlpBuilder:
         A live storage made by node v's output o adds size(o under strategy k) to x[r(v),k]
         (once per instance: folded, the representative's variables gather every instance's
         bytes); a parameter adds its optimizer state the same way; a tensor input of node i
-        redistributed from p to q adds size(q) to its edge's e[u,p,v,q]."""
+        redistributed from p to q adds size(q) to its edge's e[u,p,v,q]; at the return
+        (``i == len(lv.order)``), each graph output that leaves with q != p adds size(q) to
+        its sink's pair (a fixed target: to the producer's x)."""
         space, rep = self.space, self.folding.rep
         mesh_shape = tuple(space.mesh.shape)
         params = set(lv.params)
@@ -574,6 +583,14 @@ class IlpBuilder:
                 if b:
                     for v in self.x[r][k]:
                         coef[v] += b / _MIB
+        if i == len(lv.order):  # the return: each output redistributed to where it leaves
+            for src, so, pairs, count in self.sink_pairs:
+                shape, dtype = space.tensor(src, so)
+                for v, p, q in pairs:
+                    if p != q:
+                        size = math.prod(local_shape(shape, q, mesh_shape)) * dtype.itemsize
+                        coef[v] += count * size / _MIB
+            return coef
         name = lv.order[i]
         if space.targets[name] != "placeholder":
             for j, src, so in lv.reshard_inputs(i):
@@ -734,7 +751,7 @@ def _new_cuts(ilp: IlpBuilder, report: MemoryReport, bound: float) -> list[int]:
     of the other half of the step (forward or backward), if not bounded yet."""
     space = ilp.space
     totals = [t for _, t in report.timeline]
-    backward = [space.roles[n] == roles.BACKWARD for n, _ in report.timeline]
+    backward = [space.roles.get(n, roles.BACKWARD) == roles.BACKWARD for n, _ in report.timeline]
     peak = report.peak_index
     other = [i for i in range(len(totals)) if backward[i] != backward[peak]]
     points = [peak]

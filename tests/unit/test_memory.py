@@ -103,7 +103,9 @@ def test_sharded_parameters_and_adamw_state_are_the_local_shards():
     # the plan carries the timeline by category, and it round-trips through JSON
     step = plan.memory["step"]
     tl = step["timeline"]
-    assert len(tl["nodes"]) == plan.stats["nodes"] and set(tl) == {"nodes", *CATEGORIES}
+    # every node, then the return
+    assert len(tl["nodes"]) == plan.stats["nodes"] + 1 and tl["nodes"][-1] == "output"
+    assert set(tl) == {"nodes", *CATEGORIES}
     totals = [sum(tl[c][i] for c in CATEGORIES) for i in range(len(tl["nodes"]))]
     assert max(totals) == step["peak_bytes"] == report.peak_bytes
     assert tl["nodes"][totals.index(max(totals))] == step["peak_node"]

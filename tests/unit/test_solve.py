@@ -116,7 +116,8 @@ def _brute_force(space: StrategySpace) -> list[tuple[float, dict[str, Strategy]]
 def _peak(space, pick) -> int:
     """The step's peak bytes per rank, by hand for this graph: the batch and each weight
     with its two AdamW moments held throughout; h from its matmul through y's; y to the
-    end; a redistributed input's buffer at the node that takes it."""
+    end; a redistributed input's buffer at the node that takes it; at the return, the loss
+    y replicated beside y as made, if y was not."""
 
     def size(name, ps):
         return math.prod(_local(space.shapes[name][0][0], ps)) * 4
@@ -131,7 +132,8 @@ def _peak(space, pick) -> int:
         return total
 
     h, y = size("h", pick["h"].out[0]), size("y", pick["y"].out[0])
-    return max(held + h + buffers("h"), held + h + y + buffers("y"))
+    returned = size("y", (R,)) if pick["y"].out[0] != (R,) else 0
+    return max(held + h + buffers("h"), held + h + y + buffers("y"), held + y + returned)
 
 
 def test_chained_matmuls_pair_column_then_row():
