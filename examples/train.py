@@ -64,7 +64,7 @@ def main() -> None:
     ap.add_argument(
         "--memory-fraction",
         type=float,
-        default=0.5,
+        default=0.6,
         help="memory budget per rank, as a fraction of what one device holds for the step",
     )
     args = ap.parse_args()

@@ -1,8 +1,8 @@
 """The zoo trained by autopar on gloo meshes equals the single-device model.
 
 Every case plans with folding on (the default: the transformers' layers share one set of
-choices) and with a parameter-memory budget below the whole model, so the plan must
-shard: the collectives it inserts are exercised. Each case checks the loss of every step,
+choices) and with a step-memory budget per rank, a fraction of what one device holds, so the
+plan must shard: the collectives it inserts are exercised. Each case checks the loss of every step,
 every gathered gradient of the first step, and every parameter after 3 AdamW steps, and
 that no op was replicated for want of a rule.
 ``gpt-tied`` ties its LM head to its token embedding: two names, one weight, whose gradient
@@ -37,7 +37,7 @@ CASES = [
     ("gpt", (2,), ("dp",), "float64", 0.6, F64, None),
     ("gpt", (4,), ("dp",), "float64", 0.3, F64, None),
     ("gpt", (2, 2), ("dp", "tp"), "float64", 0.5, F64, None),
-    ("gpt-tied", (2, 2), ("dp", "tp"), "float64", 0.5, F64, None),
+    ("gpt-tied", (2, 2), ("dp", "tp"), "float64", 0.35, F64, None),  # shards the tied weight
     ("hf-gpt2", (2,), ("dp",), "float64", 0.6, F64, None),
     ("hf-gpt2", (4,), ("dp",), "float64", 0.3, F64, None),
     ("hf-gpt2", (2, 2), ("dp", "tp"), "float64", 0.5, F64, None),
@@ -51,7 +51,7 @@ CASES = [
     ("mistral", (2, 2), ("dp", "tp"), "float64", 0.5, F64, None),
     ("gemma2", (2,), ("dp",), "float64", 0.6, GEMMA2, None),
     ("gemma2", (2, 2), ("dp", "tp"), "float64", 0.5, GEMMA2, None),
-    ("mixtral", (2,), ("dp",), "float32", 0.6, F32, None),
+    ("mixtral", (2,), ("dp",), "float32", 0.7, F32, None),
     ("mixtral", (2, 2), ("dp", "tp"), "float32", 0.5, F32, None),
     ("qwen2-moe", (2,), ("dp",), "float32", 0.6, F32, None),
     ("qwen2-moe", (2, 2), ("dp", "tp"), "float32", 0.5, F32, None),
@@ -61,8 +61,10 @@ CASES = [
     ("t5", (2, 2), ("dp", "tp"), "float64", 0.5, F64, None),
     ("vit", (2,), ("dp",), "float64", 0.6, F64, None),
     ("vit", (2, 2), ("dp", "tp"), "float64", 0.5, F64, None),
-    ("resnet", (2,), ("dp",), "float64", 0.6, F64, None),
-    ("resnet", (2, 2), ("dp", "tp"), "float64", 0.5, F64, None),
+    # NOTE: a ResNet's step peaks at its return, where every gradient is held twice (as
+    # made and as redistributed): no plan fits under 0.77 of one device
+    ("resnet", (2,), ("dp",), "float64", 0.85, F64, None),
+    ("resnet", (2, 2), ("dp", "tp"), "float64", 0.85, F64, None),
     # NOTE: no budget for the LSTM: its 32 unrolled time steps make a 3.9k-node ILP that a
     # budget makes slow to solve (nothing folds them); it plans and runs as it is
     ("lstm", (2,), ("dp",), "float64", None, F64, None),
