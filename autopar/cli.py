@@ -17,10 +17,12 @@ import sys
 import warnings
 
 import torch
+from rich.console import Console
 
 from . import api
 from .core import Mesh, MixedPrecision, Plan, __version__
 from .models import EXAMPLES
+from .show import render
 from .verify import build_example, log_stages, verify
 
 __all__ = ["main", "plan_example"]
@@ -152,6 +154,11 @@ def cmd_demo(args) -> int:
     return 0 if ok else 1
 
 
+def cmd_show(args) -> int:
+    render(Plan.load(args.plan), Console(width=args.width, highlight=False))
+    return 0
+
+
 def _positive(text: str) -> float:
     try:
         value = float(text)
@@ -206,6 +213,11 @@ def main(argv=None) -> int:
     pp.add_argument("--out", default=None, help="write the plan's JSON here")
     pp.add_argument("-v", "--verbose", action="store_true", help="show warnings")
     pp.set_defaults(fn=cmd_plan)
+
+    ps = sub.add_parser("show", help="print a saved plan as tables")
+    ps.add_argument("plan", help="a plan's JSON (autopar plan --out, Plan.save)")
+    ps.add_argument("--width", type=int, default=None, help="columns (default: the terminal's)")
+    ps.set_defaults(fn=cmd_show)
 
     pd = sub.add_parser("demo", help="plan a small GPT and train it on local gloo processes")
     pd.add_argument("--model", default="gpt", help="a built-in example (default gpt)")

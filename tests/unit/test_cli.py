@@ -102,3 +102,58 @@ def test_a_corrupt_plan_file_names_the_file(tmp_path):
     path.write_text("{not json")
     with pytest.raises(ValueError, match="corrupt.json does not hold an autopar plan"):
         Plan.load(path)
+
+
+def test_show_prints_a_saved_plan_as_tables(capsys, tmp_path):
+    import gzip
+    import re
+    from pathlib import Path
+
+    from autopar import Plan
+    from autopar.show import layer_groups
+
+    golden = Path(__file__).resolve().parent.parent / "golden" / "gpt-2x2-cpu-mem0.5.json.gz"
+    path = tmp_path / "plan.json"
+    path.write_bytes(gzip.decompress(golden.read_bytes()))
+    plan = Plan.load(path)
+    assert main(["show", str(path), "--width", "200"]) == 0
+    out = capsys.readouterr().out
+    # the two layers' parameters are one row each, with their count and placements
+    groups = layer_groups(plan)
+    assert sum(count for _, count, _, _ in groups) == len(plan.params)
+    (q,) = [g for g in groups if g[0] == "blocks.{0..1}.attn.q.weight"]
+    assert q[1] == 2 and q[3] == plan.nodes[plan.params["blocks.0.attn.q.weight"]].placement()
+    assert re.search(
+        r"blocks\.\{0\.\.1\}\.attn\.q\.weight\s+2\s+64x64\s+"
+        + r"\s+".join(re.escape(p) for p in q[3]),
+        out,
+    )
+    # the memory table's peak and budget are the plan's
+    step = plan.memory["step"]
+    assert re.search(rf"peak\s+{step['peak_bytes'] / 2**20:,.2f}\s+100.0%", out)
+    assert re.search(rf"budget\s+{plan.stats['memory_budget'] / 2**20:,.2f}", out)
+    # every predicted collective is counted once
+    counts = [
+        int(m) for m in re.findall(r"(?:gradient reduction|reshard)\s+\w+\s+\w+\s+(\d+)", out)
+    ]
+    assert sum(counts) == len(plan.collectives)
+    assert f"{plan.cost['total_s'] * 1e3:.4f}" in out
+
+
+def test_layer_patterns_keep_apart_layers_placed_differently():
+    import dataclasses
+    import gzip
+    from pathlib import Path
+
+    from autopar import Plan
+    from autopar.show import _ranges, layer_groups
+
+    golden = Path(__file__).resolve().parent.parent / "golden" / "gpt-2x2-cpu-mem0.5.json.gz"
+    plan = Plan.from_json(gzip.decompress(golden.read_bytes()).decode())
+    node = plan.params["blocks.1.attn.q.weight"]
+    plan.nodes[node] = dataclasses.replace(plan.nodes[node], out=(("R", "S(0)"),))
+    names = [g[0] for g in layer_groups(plan)]
+    assert "blocks.0.attn.q.weight" in names and "blocks.1.attn.q.weight" in names
+    assert "blocks.{0..1}.attn.k.weight" in names
+    assert _ranges([0, 1, 2, 5, 7, 8]) == "0..2,5,7..8"
+    assert _ranges([3]) == "3"
