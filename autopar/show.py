@@ -58,11 +58,13 @@ def layer_groups(plan: Plan) -> list[tuple[str, int, tuple, tuple[str, ...]]]:
             rows.append((members[0][0], 1, shape, ps))
             continue
         positions = list(zip(*(idx for _, idx in members)))
-        parts = iter(
+        parts = [
             str(vals[0]) if len(set(vals)) == 1 else "{" + _ranges(list(set(vals))) + "}"
             for vals in positions
-        )
-        name = re.sub("#", lambda _, parts=parts: next(parts), pattern)
+        ]
+        name = pattern
+        for part in parts:
+            name = name.replace("#", part, 1)
         rows.append((name, len(members), shape, ps))
     return rows
 

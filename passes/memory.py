@@ -270,10 +270,9 @@ def output_redistributions(lv: Liveness, out_ps: OutPlacement) -> list[tuple]:
         p = out_ps(sink.src, sink.src_out)
         if p is None:
             continue
-        if sink.like is None:
-            q = tuple(Replicate() for _ in p)
-        else:
-            q = out_ps(sink.like, 0)
+        q: Placements | None = (
+            tuple(Replicate() for _ in p) if sink.like is None else out_ps(sink.like, 0)
+        )
         if q is None or tuple(q) == tuple(p):
             continue
         grad = sink.like is not None and space.roles[sink.like] == roles.PARAM
