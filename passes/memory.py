@@ -68,6 +68,7 @@ __all__ = [
     "OPTIMIZERS",
     "Storage",
     "liveness",
+    "local_bytes",
     "measure",
     "simulate",
 ]
@@ -91,6 +92,12 @@ InPlacement = Callable[[str, int], "Placements | None"]
 """(node, tensor input j) -> the placements node runs input j with (None: as it comes)."""
 
 
+def local_bytes(shape, dtype: torch.dtype, ps: Placements | None, mesh_shape) -> int:
+    """Bytes one rank holds of a tensor of global ``shape`` placed ``ps`` (None: whole)."""
+    shape = tuple(shape) if ps is None else local_shape(tuple(shape), ps, mesh_shape)
+    return math.prod(shape) * dtype.itemsize
+
+
 @dataclass(frozen=True, slots=True)
 class Storage:
     """One storage of the step: made by output ``out`` of node ``owner``, live from node
@@ -108,10 +115,7 @@ class Storage:
 
     def nbytes(self, ps: Placements | None, mesh_shape) -> int:
         """Bytes one rank holds of this storage when its owner's output is placed ``ps``."""
-        if not self.counted:
-            return 0
-        shape = self.shape if ps is None else local_shape(self.shape, ps, mesh_shape)
-        return math.prod(shape) * self.dtype.itemsize
+        return local_bytes(self.shape, self.dtype, ps, mesh_shape) if self.counted else 0
 
 
 @dataclass
@@ -309,7 +313,7 @@ def measure(
             opt += optimizer_bytes(s, out_ps(s.owner, s.out), mesh_shape, optimizer)
     for src, so, target, category in output_redistributions(lv, out_ps):
         shape, dtype = space.tensor(src, so)
-        delta[category][n - 1] += math.prod(local_shape(shape, target, mesh_shape)) * dtype.itemsize
+        delta[category][n - 1] += local_bytes(shape, dtype, target, mesh_shape)
     buffers = delta["collective_buffers"]
     for i, name in enumerate(lv.order):
         if space.targets[name] == "placeholder":
@@ -322,7 +326,7 @@ def measure(
             if p is None or tuple(p) == tuple(q):
                 continue
             shape, dtype = space.tensor(src, so)
-            size = math.prod(local_shape(tuple(shape), q, mesh_shape)) * dtype.itemsize
+            size = local_bytes(shape, dtype, q, mesh_shape)
             buffers[i] += size
             buffers[i + 1] -= size
     by_category: dict[str, list[int]] = {}

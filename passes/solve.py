@@ -146,7 +146,7 @@ from autopar.cost_models import (
     redistribute_time,
 )
 
-from .memory import Liveness, MemoryReport, liveness, measure, optimizer_bytes
+from .memory import Liveness, MemoryReport, liveness, local_bytes, measure, optimizer_bytes
 
 __all__ = [
     "DEVICE_BUDGET",
@@ -588,8 +588,7 @@ class IlpBuilder:
                 shape, dtype = space.tensor(src, so)
                 for v, p, q in pairs:
                     if p != q:
-                        size = math.prod(local_shape(shape, q, mesh_shape)) * dtype.itemsize
-                        coef[v] += count * size / _MIB
+                        coef[v] += count * local_bytes(shape, dtype, q, mesh_shape) / _MIB
             return coef
         name = lv.order[i]
         if space.targets[name] != "placeholder":
@@ -597,9 +596,7 @@ class IlpBuilder:
                 shape, dtype = space.tensor(src, so)
                 for ev, p, q in self.pairs.get((rep(src), so, rep(name), j), ()):
                     if p != q:
-                        coef[ev] += (
-                            math.prod(local_shape(shape, q, mesh_shape)) * dtype.itemsize / _MIB
-                        )
+                        coef[ev] += local_bytes(shape, dtype, q, mesh_shape) / _MIB
         return coef
 
     def memory_cut(self, lv: Liveness, i: int, bound) -> None:
