@@ -57,6 +57,7 @@ def _options(
     skip,
     optimizer: str = "adamw",
     memory_fraction: float | None = None,
+    checkpointing: bool = True,
 ) -> PlanOptions:
     return PlanOptions(
         time_limit_s=time_limit_s,
@@ -64,6 +65,7 @@ def _options(
         memory_fraction=memory_fraction,
         skip=frozenset(skip) | (frozenset() if fold else {"fold"}),
         optimizer=optimizer,
+        checkpointing=checkpointing,
     )
 
 
@@ -77,9 +79,12 @@ def plan_step(
     skip=(),
     optimizer: str = "adamw",
     memory_fraction: float | None = None,
+    checkpointing: bool = True,
 ) -> Plan:
     """Plan an already traced step graph: ``PLAN_STAGES``, then ``Plan.from_solution``."""
-    options = _options(time_limit_s, memory_budget, fold, skip, optimizer, memory_fraction)
+    options = _options(
+        time_limit_s, memory_budget, fold, skip, optimizer, memory_fraction, checkpointing
+    )
     return _search(step, mesh, options)
 
 
@@ -151,6 +156,7 @@ def plan(
     optimizer: str = "adamw",
     memory_fraction: float | None = None,
     mp_policy: MixedPrecision | None = None,
+    checkpointing: bool = True,
 ) -> Plan:
     """Plan ``model`` for ``mesh`` without processes or weights (a meta model works).
 
@@ -166,13 +172,18 @@ def plan(
     ``sgd``, ``none``). ``mp_policy``: mixed precision (``autopar.MixedPrecision``, as
     FSDP2's policy): compute in ``param_dtype`` from float32 parameters, gradients reduced
     in ``reduce_dtype``; planned, priced and counted as the step runs it.
+    ``checkpointing``: where the budget binds, the solver may recompute layers'
+    activations in the backward instead of keeping them (priced in step time; passes/remat);
+    False keeps every activation.
     """
     if not isinstance(mesh, Mesh):
         raise TypeError(
             f"autopar.plan takes an autopar.Mesh, got {type(mesh).__name__}; "
             "for a torch DeviceMesh use autopar.Mesh.from_device_mesh(mesh)"
         )
-    options = _options(time_limit_s, memory_budget, fold, skip, optimizer, memory_fraction)
+    options = _options(
+        time_limit_s, memory_budget, fold, skip, optimizer, memory_fraction, checkpointing
+    )
     stats: dict = {}
     with contextlib.ExitStack() as stack:
         step = _trace(model, example_inputs, loss_fn, example_targets, stack, stats, mp=mp_policy)
@@ -255,6 +266,7 @@ def compile(  # noqa: A001 - the documented name
     memory_fraction: float | None = None,
     optimizer: str = "adamw",
     mp_policy: MixedPrecision | None = None,
+    checkpointing: bool = True,
     fold: bool = True,
     skip=(),
     init_weights: Callable[[nn.Module], None] | None = None,
@@ -266,7 +278,7 @@ def compile(  # noqa: A001 - the documented name
     ``pm(*local_inputs, *local_targets)`` returns the global loss on every rank; without it,
     ``pm(*local_inputs)`` returns the outputs of the local batch. ``plan`` (a ``Plan`` or the
     path of its JSON) skips planning. ``device`` names the cost profile (default: h100 on
-    cuda, cpu otherwise). ``memory_budget``, ``memory_fraction``, ``optimizer``,
+    cuda, cpu otherwise). ``memory_budget``, ``memory_fraction``, ``optimizer``, ``checkpointing``,
     ``mp_policy``, ``fold``, ``skip``: as in ``plan`` (the parameters stay float32 DTensors;
     ``pm`` computes in ``mp_policy.param_dtype``). The codegen stage's time and size are
     in ``pm.stats``.
@@ -287,7 +299,9 @@ def compile(  # noqa: A001 - the documented name
     if init_weights is not None and checkpoint is not None:
         raise ValueError("pass init_weights or checkpoint, not both")
     amesh = Mesh.from_device_mesh(mesh, device)
-    options = _options(time_limit_s, memory_budget, fold, skip, optimizer, memory_fraction)
+    options = _options(
+        time_limit_s, memory_budget, fold, skip, optimizer, memory_fraction, checkpointing
+    )
     if isinstance(plan, (str, Path)):
         plan = Plan.load(plan)
     if plan is not None:

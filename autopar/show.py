@@ -4,7 +4,8 @@ What it shows, all read from the plan's JSON (nothing is re-planned):
     - parameters grouped by layer pattern: names that differ only in their layer indices
       (``blocks.0.attn.q.weight``, ``blocks.1.attn.q.weight``) and take the same placements
       are one row, ``blocks.{0,1}.attn.q.weight``, with their count;
-    - the step memory per rank at its peak, by category, against the budget;
+    - the step memory per rank at its peak, by category, against the budget, and the layers
+      checkpointed;
     - the collectives of one step by kind and mesh axis, with their bytes and time, split
       into gradient reductions (at the step's outputs) and reshards (between operators);
     - the estimated step time: compute, then each kind of collective.
@@ -19,27 +20,12 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from .core import Plan
+from .core.plan import Plan, index_ranges
 
 __all__ = ["layer_groups", "render"]
 
 _INDEX = re.compile(r"(?<=\.)\d+(?=\.)")
 _MIB = 2**20
-
-
-def _ranges(indices: list[int]) -> str:
-    """``[0, 1, 2, 5]`` -> ``0..2,5``."""
-    out, start, prev = [], None, None
-    for i in sorted(indices) + [None]:
-        if start is None:
-            start = prev = i
-            continue
-        if i is not None and prev is not None and i == prev + 1:
-            prev = i
-            continue
-        out.append(str(start) if start == prev else f"{start}..{prev}")
-        start = prev = i
-    return ",".join(out)
 
 
 def layer_groups(plan: Plan) -> list[tuple[str, int, tuple, tuple[str, ...]]]:
@@ -59,7 +45,7 @@ def layer_groups(plan: Plan) -> list[tuple[str, int, tuple, tuple[str, ...]]]:
             continue
         positions = list(zip(*(idx for _, idx in members)))
         parts = [
-            str(vals[0]) if len(set(vals)) == 1 else "{" + _ranges(list(set(vals))) + "}"
+            str(vals[0]) if len(set(vals)) == 1 else "{" + index_ranges(list(set(vals))) + "}"
             for vals in positions
         ]
         name = pattern
@@ -121,6 +107,11 @@ def render(plan: Plan, console: Console) -> None:
         if budget:
             mem.add_row("budget", _mib(budget), "", "100.0%")
         console.print(mem)
+    if plan.recompute:
+        console.print(
+            f"activation checkpointing: {len(plan.recompute)} layers recompute their "
+            f"activations in the backward: {plan.checkpointing_text()}"
+        )
 
     colls = Table(title="collectives per step", box=box.SIMPLE_HEAD)
     for name, justify in [("purpose", "left"), ("kind", "left"), ("axis", "left")] + [

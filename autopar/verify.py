@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import api
-from .core import Plan
+from .core import Mesh, Plan
 from .models import EXAMPLES
 from .passes.strategies import NoRuleWarning
 from .runtime import run_local
@@ -298,11 +298,38 @@ def verify_rank(
 
 
 def verify(example: str, mesh_shape, axis_names, **kwargs) -> list[VerifyReport]:
-    """Run ``verify_rank`` on a local gloo mesh; returns every rank's report."""
+    """Run ``verify_rank`` on a local gloo mesh; returns every rank's report.
+
+    Without ``plan_json``, the plan is made once, here, and every rank compiles it (as a
+    launcher hands a saved plan to its ranks): every rank would solve the same ILP, and
+    on a machine with fewer cores than ranks they would solve it one after another."""
     world = math.prod(mesh_shape)
+    if kwargs.get("plan_json") is None:
+        kwargs = {**kwargs, "plan_json": _plan_json(example, mesh_shape, axis_names, **kwargs)}
     return run_local(
         verify_rank, world, example, tuple(mesh_shape), tuple(axis_names), *_args(kwargs)
     )
+
+
+def _plan_json(example, mesh_shape, axis_names, **kwargs) -> str:
+    """The plan ``verify_rank`` would make on each rank, made in this process."""
+    if kwargs.get("progress"):
+        log_stages()
+    dtype = getattr(torch, kwargs.get("dtype", "float64"))
+    torch.manual_seed(0)
+    model, inputs, loss_fn, targets = build_example(example, batch=kwargs.get("batch", 8))
+    model = model.to(dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NoRuleWarning)
+        plan = api.plan(
+            model,
+            Mesh(tuple(mesh_shape), tuple(axis_names), device="cpu"),
+            tuple(_cast(t, dtype) for t in inputs),
+            loss_fn=loss_fn,
+            example_targets=tuple(_cast(t, dtype) for t in targets),
+            memory_fraction=kwargs.get("memory_fraction"),
+        )
+    return plan.to_json(timings=True)
 
 
 def _args(kwargs):

@@ -49,6 +49,7 @@ from autopar.core import (
     roles,
 )
 
+from . import remat
 from .trace import StepGraph
 
 __all__ = [
@@ -88,9 +89,10 @@ def _spec(dmesh, placements, val) -> DTensorSpec:
 
 
 class _Localizer(torch.fx.Interpreter):
-    def __init__(self, step: StepGraph, plan, dmesh):
-        super().__init__(step.gm, garbage_collect_values=True)
+    def __init__(self, gm: torch.fx.GraphModule, plan, dmesh, copy_of: dict[str, str]):
+        super().__init__(gm, garbage_collect_values=True)
         self.plan = plan
+        self.copy_of = copy_of
         self.dmesh = dmesh
         self.placed: dict[str, tuple] = {}
         self.mismatches: list[str] = []
@@ -98,7 +100,7 @@ class _Localizer(torch.fx.Interpreter):
         self.param_nodes = {n: name for name, n in plan.params.items()}
 
     def _choice(self, name):
-        return self.plan.nodes[name]
+        return self.plan.nodes[self.copy_of.get(name, name)]
 
     def _ps(self, texts):
         return parse_placements(texts)
@@ -209,9 +211,21 @@ class _Localizer(torch.fx.Interpreter):
         return type(outs)(new) if isinstance(outs, tuple) else new
 
 
+def _checkpointed(gm: torch.fx.GraphModule, plan: Plan):
+    """``gm``, or a copy of it rewritten to recompute ``plan.recompute`` (passes/remat),
+    and each copy's original."""
+    if not plan.recompute:
+        return gm, {}
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    new = torch.fx.GraphModule(gm, graph)
+    return new, remat.apply(new, plan.recompute)
+
+
 def build_local_graph(step: StepGraph, plan: Plan, dmesh) -> LocalStep:
     """Trace the local step graph of ``plan`` on ``dmesh`` (see the module docstring)."""
-    interp = _Localizer(step, plan, dmesh)
+    gm, copy_of = _checkpointed(step.gm, plan)
+    interp = _Localizer(gm, plan, dmesh, copy_of)
     local_args = []
     for n in step.placeholders():
         val = n.meta["val"]

@@ -51,7 +51,7 @@ from autopar.core import roles
 
 from .trace import StepGraph
 
-__all__ = ["FoldGroup", "FoldedGraph", "fold_regions", "region_of_path"]
+__all__ = ["FoldGroup", "FoldedGraph", "fold_regions", "layer_regions", "region_of_path"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,9 +239,9 @@ def _canonical(
     return tuple(form)
 
 
-def fold_regions(step: StepGraph) -> FoldedGraph:
-    """Group the isomorphic regions of ``step`` (module docstring)."""
-    t0 = time.perf_counter()
+def _propose(step: StepGraph):
+    """Step 1 of the module docstring: every node's region ("" outside every region), the
+    unattributed nodes, and the placeholder of each parameter and buffer."""
     nodes = _nodes(step)
     region: dict[str, str] = {}
     free: set[str] = set()
@@ -267,6 +267,19 @@ def fold_regions(step: StepGraph) -> FoldedGraph:
         if not path:
             free.add(n.name)
     _attach_unattributed(nodes, region, free)
+    return region, free, param_node, buffer_node
+
+
+def layer_regions(step: StepGraph) -> dict[str, str]:
+    """Node name -> its region, for the nodes in one (step 1 of the module docstring)."""
+    return {k: v for k, v in _propose(step)[0].items() if v}
+
+
+def fold_regions(step: StepGraph) -> FoldedGraph:
+    """Group the isomorphic regions of ``step`` (module docstring)."""
+    t0 = time.perf_counter()
+    nodes = _nodes(step)
+    region, free, param_node, buffer_node = _propose(step)
 
     # which graph outputs a node feeds: a gradient (of which parameter), a buffer's new
     # value (of which buffer) or a plain output

@@ -33,10 +33,21 @@ emitted step (codegen runs the joint graph in its traced order, on local tensors
 bytes(i) is linear in the choice of placements (each term depends on one node's output
 placement or one edge's pair of placements), which is what lets the ILP bound it.
 
+Checkpointing (passes/remat): ``liveness(space, recompute)`` holds the step in which any of
+the layers ``recompute`` lists may be checkpointed. Its points are the nodes and, before a
+layer's first backward read, a copy of every node it recomputes. A copy's storage, and the
+reads it makes of what it does not recompute, count only when its fold group is
+checkpointed; an original's reads by the backward (which then reads the copy), and the
+whole life of an original nothing in the forward reads, count only when it is not
+(``Storage.when``). ``measure(..., recompute)`` sizes the step with those groups
+checkpointed, and its timeline leaves out the copies of the others; with none, it is the
+step without checkpointing. An input two layers' copies read beyond its own last read is
+counted live to the later of them whatever is chosen (an overestimate).
+
 Categories: ``parameters`` (parameters and buffers, the whole step; a tied parameter once),
 ``inputs`` (inputs and targets, the whole step), ``gradients`` (a parameter's gradient, from
 its node to the end: the optimizer reads it), ``activations`` (made in the forward, last used
-in the backward: saved for it), ``temporaries`` (every other op output, and the tangent),
+in the backward: saved for it; and a recomputed copy), ``temporaries`` (every other op output, and the tangent),
 ``collective_buffers``, ``optimizer_state`` (per parameter shard: AdamW two float32 moments,
 SGD with momentum one, none zero; constant over the step).
 
@@ -52,14 +63,16 @@ stored (float32) parameters.
 from __future__ import annotations
 
 import math
-import operator
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections import defaultdict
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch.distributed.tensor import Replicate
 
-from autopar.core import Plan, StrategySpace, local_shape, parse_placements, roles
+from autopar.core import Plan, Recompute, StrategySpace, local_shape, parse_placements, roles
+
+from .remat import COPY, storage_map
 
 __all__ = [
     "CATEGORIES",
@@ -102,7 +115,9 @@ def local_bytes(shape, dtype: torch.dtype, ps: Placements | None, mesh_shape) ->
 class Storage:
     """One storage of the step: made by output ``out`` of node ``owner``, live from node
     index ``first`` to ``last`` (inclusive), of global ``shape`` and ``dtype``.
-    ``counted`` is False for a storage counted elsewhere (a tied parameter's later names)."""
+    ``counted`` is False for a storage counted elsewhere (a tied parameter's later names).
+    ``when``: ``(group, checkpointed)``: live only when that fold group's checkpointing
+    (passes/remat) is ``checkpointed`` (None: always)."""
 
     owner: str
     out: int
@@ -112,6 +127,11 @@ class Storage:
     last: int
     category: str
     counted: bool = True
+    when: tuple[str, bool] | None = None
+
+    def counts(self, recompute: Collection[str]) -> bool:
+        """Live in the step whose checkpointed groups are ``recompute``."""
+        return self.when is None or (self.when[0] in recompute) == self.when[1]
 
     def nbytes(self, ps: Placements | None, mesh_shape) -> int:
         """Bytes one rank holds of this storage when its owner's output is placed ``ps``."""
@@ -123,17 +143,25 @@ class Liveness:
     """The placement-free half of the model (module docstring).
 
     Attributes:
-        order: node names in step order (``bytes(i)`` is after ``order[i]``; point
-            ``len(order)`` is the step's return).
+        order: the points of the step: node names in step order, and the copies of the
+            nodes a layer may recompute (``recompute:<node>``, before the layer's first
+            backward read) (``bytes(i)`` is after ``order[i]``; point ``len(order)`` is the
+            step's return).
         storages: every storage, with its life.
         params: placeholders of the stored parameters (a tied one once): optimizer state.
         space: the strategy space it was read from (its tensors and edges).
+        node_at: the node each point runs (a copy: its original).
+        unit_at: a copy's fold group (None: a node of the step itself).
+        groups: fold group -> its layers' ``Recompute``s (passes/remat).
     """
 
     order: list[str]
     storages: list[Storage]
     params: list[str]
     space: StrategySpace
+    node_at: list[str] = field(default_factory=list)
+    unit_at: list[str | None] = field(default_factory=list)
+    groups: dict[str, list[Recompute]] = field(default_factory=dict)
 
     OUTPUT = "output"
     """The name of the last point, ``len(order)``: where the step returns (``bytes(out)``)."""
@@ -148,7 +176,12 @@ class Liveness:
     def reshard_inputs(self, i: int) -> list[tuple[int, str, int]]:
         """``(j, producer, output)`` of each tensor input of node ``order[i]``: where a
         collective buffer appears when input j is redistributed."""
-        return [(j, src, so) for j, (src, so) in enumerate(self.space.in_sources[self.order[i]])]
+        return [(j, src, so) for j, (src, so) in enumerate(self.space.in_sources[self.node_at[i]])]
+
+    def shown(self, i: int, recompute: Collection[str]) -> bool:
+        """Point ``i`` runs in the step whose checkpointed groups are ``recompute``."""
+        g = self.unit_at[i] if i < len(self.unit_at) else None
+        return g is None or g in recompute
 
 
 @dataclass
@@ -162,6 +195,9 @@ class MemoryReport:
         timeline: ``(node name, total bytes)`` after every node, in step order.
         by_category: per category, its bytes after every node (aligned with ``timeline``).
         optimizer: the optimizer whose state is counted.
+        points: the ``Liveness`` point of each timeline entry (the copies of a layer not
+            checkpointed are not in the step).
+        recompute: the fold groups checkpointed (passes/remat).
     """
 
     peak_bytes: int
@@ -170,10 +206,18 @@ class MemoryReport:
     timeline: list[tuple[str, int]] = field(default_factory=list)
     by_category: dict[str, list[int]] = field(default_factory=dict)
     optimizer: str = "adamw"
+    points: list[int] = field(default_factory=list)
+    recompute: list[str] = field(default_factory=list)
 
     @property
     def peak_index(self) -> int:
+        """The peak's position in ``timeline``."""
         return next(i for i, (n, _) in enumerate(self.timeline) if n == self.peak_node)
+
+    @property
+    def peak_point(self) -> int:
+        """The peak's point of the ``Liveness`` measured."""
+        return self.points[self.peak_index]
 
     def dominant(self) -> str:
         """The category holding the most bytes at the peak."""
@@ -185,6 +229,7 @@ class MemoryReport:
             "peak_node": self.peak_node,
             "at_peak": dict(self.at_peak),
             "optimizer": self.optimizer,
+            "recompute": list(self.recompute),
         }
         if timeline:
             d["timeline"] = {
@@ -194,27 +239,50 @@ class MemoryReport:
         return d
 
 
-def _is_alias(target) -> bool:
-    """The op returns (a view of) its first input: no new storage."""
-    if target is torch.ops.aten._unsafe_view.default:  # a view, though its schema says not
-        return True
-    schema = getattr(target, "_schema", None)
-    if schema is None or not schema.returns:
-        return False
-    return schema.returns[0].alias_info is not None
-
-
-def liveness(space: StrategySpace) -> Liveness:
-    """Every storage of ``space``'s step and its life (module docstring)."""
+def liveness(space: StrategySpace, recompute: Sequence[Recompute] = ()) -> Liveness:
+    """Every storage of ``space``'s step and its life (module docstring); with
+    ``recompute`` (passes/remat), the step in which any of them may be checkpointed
+    ("Checkpointing")."""
     order = space.order
-    index = {n: i for i, n in enumerate(order)}
-    end = len(order)
-    # storage key (owner, out) -> [first, last, category]; (node, out) -> its storage key
-    life: dict[tuple[str, int], list] = {}
-    storage_of: dict[tuple[str, int], tuple[str, int]] = {}
-    params: list[str] = []
+    groups: dict[str, list[Recompute]] = defaultdict(list)
+    before: dict[str, list[Recompute]] = defaultdict(list)
+    unit: dict[str, str] = {}  # a node recomputed -> its group
+    moved: dict[str, str] = {}  # a node that then runs only in the backward -> its group
+    for rec in recompute:
+        groups[rec.group].append(rec)
+        before[rec.before].append(rec)
+        unit.update((n, rec.group) for n in rec.nodes)
+        moved.update((n, rec.group) for n in rec.moved)
+    # the points: every node, and before a layer's first backward read, its copies
+    points: list[str] = []
+    node_at: list[str] = []
+    unit_at: list[str | None] = []
     for name in order:
-        i = index[name]
+        for rec in before.get(name, ()):
+            for n in rec.nodes:
+                points.append(COPY + n)
+                node_at.append(n)
+                unit_at.append(rec.group)
+        points.append(name)
+        node_at.append(name)
+        unit_at.append(None)
+    end = len(points)
+    storage_of = storage_map(space)
+    # storage key -> [first, last, category]: a copy's storages are keyed by the copy
+    life: dict[tuple[str, int], list] = {}
+    # storage key -> condition -> the last point at which a read under it keeps it alive
+    cond_last: dict[tuple[str, int], dict[tuple[str, bool], int]] = defaultdict(dict)
+    params: list[str] = []
+
+    def read(key, i: int, when=None) -> None:
+        if key not in life:  # (an output that is not a tensor has no storage)
+            return
+        if when is None:
+            life[key][1] = max(life[key][1], i)
+        else:
+            cond_last[key][when] = max(cond_last[key].get(when, -1), i)
+
+    for i, (point, name) in enumerate(zip(points, node_at)):
         role = space.roles[name]
         if space.targets[name] == "placeholder":
             if role in (roles.PARAM, roles.BUFFER):
@@ -225,24 +293,37 @@ def liveness(space: StrategySpace) -> Liveness:
                 category = "inputs"
             else:
                 category = "temporaries"
-            storage_of[(name, 0)] = (name, 0)
             life[(name, 0)] = [i, i, category]
             continue
-        ins = space.in_sources[name]
-        for key in dict.fromkeys(ins):
-            s = storage_of.get(key)
-            if s is not None:  # (an output that is not a tensor has no storage)
-                life[s][1] = max(life[s][1], i)
-        target = space.targets[name]
-        shapes = space.shapes[name]
-        if ins and (target is operator.getitem or _is_alias(target)) and ins[0] in storage_of:
-            storage_of[(name, 0)] = storage_of[ins[0]]
-            continue
-        for idx, sd in enumerate(shapes):
-            if sd is None:
+        g = unit_at[i]
+        for src, so in dict.fromkeys(space.in_sources[name]):
+            key = storage_of.get((src, so))
+            if key is None:
                 continue
-            storage_of[(name, idx)] = (name, idx)
-            life[(name, idx)] = [i, i, "forward" if role == roles.FORWARD else "temporaries"]
+            if g is not None:  # a copy reads the copies of its inputs, and the rest as is
+                if unit.get(src) == g:
+                    read((COPY + key[0], key[1]), i, (g, True))
+                else:
+                    read(key, i, (g, True))
+            elif role == roles.BACKWARD and src in unit:  # the original, or its copy
+                read(key, i, (unit[src], False))
+                read((COPY + key[0], key[1]), i, (unit[src], True))
+            else:
+                read(key, i)
+        if g is None:
+            made = [(name, idx) for idx in range(len(space.shapes[name]))]
+        else:
+            made = [(point, idx) for idx in range(len(space.shapes[name]))]
+        for key in made:
+            orig = (name, key[1])
+            if orig not in storage_of:
+                continue
+            if storage_of[orig] != orig:  # a view: no storage of its own
+                continue
+            category = "forward" if role == roles.FORWARD else "temporaries"
+            if g is not None:
+                category = "recomputed"
+            life[key] = [i, i, category]
 
     # graph outputs live to the end; gradients are their own category
     for sink in space.sinks:
@@ -253,16 +334,45 @@ def liveness(space: StrategySpace) -> Liveness:
         if sink.like is not None and space.roles[sink.like] == roles.PARAM:
             life[s][2] = "gradients"
     storages = []
-    for (owner, out), (first, last, category) in life.items():
+    for key, (first, last, category) in life.items():
+        copy = key[0].startswith(COPY)
+        owner = key[0][len(COPY) :] if copy else key[0]
+        conds = cond_last.get(key, {})
+        full = max([last, *conds.values()])
         if category == "forward":
-            backward = last < end and space.roles[order[last]] == roles.BACKWARD
+            backward = full < end and space.roles[node_at[full]] == roles.BACKWARD
             category = "activations" if backward else "temporaries"
+        elif category == "recomputed":
+            category = "activations"
         if category in ("parameters", "inputs"):
             first, last = 0, end
-        shape, dtype = space.tensor(owner, out)
-        counted = owner not in space.aliases
-        storages.append(Storage(owner, out, tuple(shape), dtype, first, last, category, counted))
-    return Liveness(order=list(order), storages=storages, params=params, space=space)
+        shape, dtype = space.tensor(owner, key[1])
+        base = Storage(owner, key[1], tuple(shape), dtype, first, last, category)
+        base = replace(base, counted=owner not in space.aliases)
+        if copy:  # only when its group is checkpointed
+            end_copy = max(conds.values(), default=first)
+            storages.append(replace(base, last=end_copy, when=(unit_at[first], True)))
+            continue
+        if owner in moved:  # not run at all in the forward of the checkpointed step
+            end_orig = max([last, *conds.values()])
+            storages.append(replace(base, last=end_orig, when=(moved[owner], False)))
+            continue
+        later = {c: b for c, b in conds.items() if b > last}
+        if len(later) > 1:
+            # read under several conditions (two layers' copies read it): counted live to
+            # the latest of them whatever is chosen (an overestimate)
+            base, later = replace(base, last=max(later.values())), {}
+        storages.append(base)
+        storages.extend(replace(base, first=last + 1, last=b, when=c) for c, b in later.items())
+    return Liveness(
+        order=points,
+        storages=storages,
+        params=params,
+        space=space,
+        node_at=node_at,
+        unit_at=unit_at,
+        groups=dict(groups),
+    )
 
 
 def output_redistributions(lv: Liveness, out_ps: OutPlacement) -> list[tuple]:
@@ -290,10 +400,14 @@ def optimizer_bytes(storage: Storage, ps: Placements | None, mesh_shape, optimiz
 
 
 def measure(
-    lv: Liveness, out_ps: OutPlacement, in_ps: InPlacement, optimizer: str = "adamw"
+    lv: Liveness,
+    out_ps: OutPlacement,
+    in_ps: InPlacement,
+    optimizer: str = "adamw",
+    recompute: Collection[str] = (),
 ) -> MemoryReport:
-    """Size ``lv``'s storages under the placements ``out_ps`` / ``in_ps`` and sweep over the
-    step (module docstring)."""
+    """Size ``lv``'s storages under the placements ``out_ps`` / ``in_ps``, with the fold
+    groups ``recompute`` checkpointed, and sweep over the step (module docstring)."""
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer {optimizer!r}: one of {sorted(OPTIMIZERS)}")
     space = lv.space
@@ -304,6 +418,8 @@ def measure(
     opt = 0
     param_set = set(lv.params)
     for s in lv.storages:
+        if not s.counts(recompute):
+            continue
         size = s.nbytes(out_ps(s.owner, s.out), mesh_shape)
         d = delta[s.category]
         d[s.first] += size
@@ -315,8 +431,8 @@ def measure(
         shape, dtype = space.tensor(src, so)
         delta[category][n - 1] += local_bytes(shape, dtype, target, mesh_shape)
     buffers = delta["collective_buffers"]
-    for i, name in enumerate(lv.order):
-        if space.targets[name] == "placeholder":
+    for i, name in enumerate(lv.node_at):
+        if space.targets[name] == "placeholder" or not lv.shown(i, recompute):
             continue
         for j, src, so in lv.reshard_inputs(i):
             q = in_ps(name, j)
@@ -329,23 +445,26 @@ def measure(
             size = local_bytes(shape, dtype, q, mesh_shape)
             buffers[i] += size
             buffers[i + 1] -= size
+    shown = [i for i in range(n) if lv.shown(i, recompute)]
     by_category: dict[str, list[int]] = {}
     for c in CATEGORIES:
         acc, out = 0, []
         for i in range(n):
             acc += delta[c][i]
             out.append(acc)
-        by_category[c] = out
-    by_category["optimizer_state"] = [opt] * n
-    totals = [sum(by_category[c][i] for c in CATEGORIES) for i in range(n)]
-    peak_i = max(range(n), key=lambda i: totals[i]) if n else 0
+        by_category[c] = [out[i] for i in shown]
+    by_category["optimizer_state"] = [opt] * len(shown)
+    totals = [sum(by_category[c][k] for c in CATEGORIES) for k in range(len(shown))]
+    peak = max(range(len(shown)), key=lambda k: totals[k])
     return MemoryReport(
-        peak_bytes=totals[peak_i] if n else 0,
-        peak_node=lv.point_name(peak_i) if n else "",
-        at_peak={c: by_category[c][peak_i] for c in CATEGORIES} if n else {},
-        timeline=list(zip([*lv.order, lv.OUTPUT], totals)),
+        peak_bytes=totals[peak],
+        peak_node=lv.point_name(shown[peak]),
+        at_peak={c: by_category[c][peak] for c in CATEGORIES},
+        timeline=[(lv.point_name(i), t) for i, t in zip(shown, totals)],
         by_category=by_category,
         optimizer=optimizer,
+        points=shown,
+        recompute=sorted(recompute),
     )
 
 
@@ -370,4 +489,5 @@ def simulate(space: StrategySpace, plan: Plan, optimizer: str = "adamw") -> Memo
             return None
         return parsed(choice.ins[j])
 
-    return measure(liveness(space), out_ps, in_ps, optimizer)
+    lv = liveness(space, plan.recompute)
+    return measure(lv, out_ps, in_ps, optimizer, {r.group for r in plan.recompute})

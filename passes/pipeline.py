@@ -81,6 +81,9 @@ class PlanOptions:
     optimizer: str = "adamw"
     """Whose state the step memory counts (passes/memory.OPTIMIZERS)."""
 
+    checkpointing: bool = True
+    """The solver may recompute layers' activations where the budget binds (passes/remat)."""
+
     def __post_init__(self):
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer {self.optimizer!r}: one of {sorted(OPTIMIZERS)}")
@@ -210,6 +213,7 @@ def _solve(state: dict) -> Solution:
         memory_budget=budget,
         memory_fraction=options.memory_fraction,
         optimizer=options.optimizer,
+        checkpointing=options.checkpointing,
     )
 
 

@@ -24,8 +24,10 @@ The ILP (Alpa's intra-operator formulation):
                                a model without a loss)                  (``tie_constraints``)
         bytes(i) <= budget      at the points i of the step that the loop below adds
                                (``memory_cut``; "Memory")
+        r[g] in {0,1}           fold group g's layers recompute their activations in the
+                               backward ("Checkpointing")
     objective (seconds)                                                 (``objective``)
-        min  sum_{v,k} C[v,k] x[v,k]  +  sum_{edges} R(p, q) e[u,p,v,q]
+        min  sum_{v,k} C[v,k] x[v,k]  +  sum_{edges} R(p, q) e[u,p,v,q]  +  sum_g t[g]
 
 ``C[v,k]`` is the roofline time of node v's op on the local shapes of strategy k (for a
 batch input: the time to read its local part, bytes / memory bandwidth)
@@ -59,6 +61,25 @@ bytes: 4 rounds, 4 cuts). Unbound, it costs one measurement. ``memory_budget`` d
 An impossible budget is reported with the smallest one that fits and the category that
 dominates it (``smallest_budget``: min M over the same ILP with bytes(i) <= M at the points
 the same loop adds).
+
+Checkpointing (passes/remat; ``checkpointing=True``, with a budget). Each fold group g
+whose layers can recompute something gets a boolean r[g] (every instance alike), made when
+a memory cut first needs it (``remat_var``). passes/memory's liveness then holds the step in
+which any group may be checkpointed: the copies' points, and storages that live only when
+r[g] = 1 (the copies, an input a copy reads later than anything else does) or only when
+r[g] = 0 (an original's life after its last forward read; the whole life of one that then
+runs only in the backward). At a cut, with S the bytes of one such part (linear in x and
+e) and M its largest value (each storage's largest size, each edge's largest buffer):
+
+    live when r[g] = 0:  S - a,  0 <= a <= S,  a <= M r[g]
+    live when r[g] = 1:  a,      a >= S - M (1 - r[g]),  a >= 0
+
+The cut bounds bytes(i) <= budget, so a takes its largest (first form) or smallest
+(second) value, and both are exact for r in {0, 1}. The time: t[g] >= F_g(x, e) - M_F (1 -
+r[g]), t[g] >= 0 in the objective, F_g the compute time C of every copy (a node that then
+runs only in the backward costs nothing more) and the redistributions R(p, q) of their
+inputs, summed over the group's layers; also exact. A layer is checkpointed only where a
+cut makes it pay: without a budget no r is made.
 
 Mixed precision (``StrategySpace.reduce_at``, from passes/trace): a parameter's gradient
 reaches it through a cast from the compute dtype; ``reduce_dtype`` says on which side of
@@ -136,7 +157,15 @@ from torch.distributed.tensor import Partial, Replicate
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils._pytree import tree_map
 
-from autopar.core import Collective, Solution, StrategySpace, TensorInput, local_shape, roles
+from autopar.core import (
+    Collective,
+    Recompute,
+    Solution,
+    StrategySpace,
+    TensorInput,
+    local_shape,
+    roles,
+)
 from autopar.cost_models import (
     DeviceProfile,
     collectives_time,
@@ -146,6 +175,7 @@ from autopar.cost_models import (
     redistribute_time,
 )
 
+from . import remat
 from .memory import Liveness, MemoryReport, liveness, local_bytes, measure, optimizer_bytes
 
 __all__ = [
@@ -363,6 +393,12 @@ class IlpBuilder:
         self.n_edge_vars = 0
         self.cuts: list[int] = []
         self.times: dict[str, float] = {}
+        # e variable -> R(p, q) of its pair (seconds, once)
+        self.pair_cost: dict[Any, float] = {}
+        # fold group -> (r, t, its recompute time: node part, edge part) ("Checkpointing")
+        self.remat: dict[str, tuple[Any, Any, dict, dict]] = {}
+        self._active: dict | None = None
+        self.lv: Liveness | None = None  # the liveness the memory cuts are made on
 
     # -- margins ---------------------------------------------------------------------------
 
@@ -478,6 +514,7 @@ class IlpBuilder:
                     continue
                 c *= scale
                 ev = self.lp.NumVar(0.0, 1.0, "")
+                self.pair_cost[ev] = c
                 self.n_edge_vars += 1
                 pairs.append((ev, p, q))
                 pair_vars_p[p].append(ev)
@@ -568,21 +605,29 @@ class IlpBuilder:
         bytes); a parameter adds its optimizer state the same way; a tensor input of node i
         redistributed from p to q adds size(q) to its edge's e[u,p,v,q]; at the return
         (``i == len(lv.order)``), each graph output that leaves with q != p adds size(q) to
-        its sink's pair (a fixed target: to the producer's x)."""
+        its sink's pair (a fixed target: to the producer's x). What lives only when a fold
+        group is, or is not, checkpointed goes through that group's r ("Checkpointing")."""
         space, rep = self.space, self.folding.rep
         mesh_shape = tuple(space.mesh.shape)
         params = set(lv.params)
         coef: dict = defaultdict(float)
+        cond: dict[tuple[str, bool], dict] = defaultdict(lambda: defaultdict(float))
+        most: dict[tuple[str, bool], float] = defaultdict(float)  # each part's largest value
         for s in lv.live_at(i):
             r = rep(s.owner)
+            into = coef if s.when is None else cond[s.when]
+            top = 0.0
             for k, st in enumerate(space.strategies[r]):
                 ps = st.out[s.out]
                 b = s.nbytes(ps, mesh_shape)
                 if s.owner in params:
                     b += optimizer_bytes(s, ps, mesh_shape, self.optimizer)
+                top = max(top, b / _MIB)
                 if b:
                     for v in self.x[r][k]:
-                        coef[v] += b / _MIB
+                        into[v] += b / _MIB
+            if s.when is not None:
+                most[s.when] += top
         if i == len(lv.order):  # the return: each output redistributed to where it leaves
             for src, so, pairs, count in self.sink_pairs:
                 shape, dtype = space.tensor(src, so)
@@ -590,17 +635,86 @@ class IlpBuilder:
                     if p != q:
                         coef[v] += count * local_bytes(shape, dtype, q, mesh_shape) / _MIB
             return coef
-        name = lv.order[i]
+        name, g = lv.node_at[i], lv.unit_at[i]
         if space.targets[name] != "placeholder":
+            into = coef if g is None else cond[(g, True)]
             for j, src, so in lv.reshard_inputs(i):
                 shape, dtype = space.tensor(src, so)
+                sizes = [0.0]
                 for ev, p, q in self.pairs.get((rep(src), so, rep(name), j), ()):
                     if p != q:
-                        coef[ev] += local_bytes(shape, dtype, q, mesh_shape) / _MIB
+                        sizes.append(local_bytes(shape, dtype, q, mesh_shape) / _MIB)
+                        into[ev] += sizes[-1]
+                if g is not None:
+                    most[(g, True)] += max(sizes)
+        for (group, on), expr in cond.items():
+            big = most[(group, on)]
+            if big <= 0:
+                continue
+            r = self.remat_var(lv, group)
+            a = self.lp.NumVar(0.0, self.lp.infinity(), "")
+            if on:  # counted when r = 1: a >= expr - big (1 - r), a >= 0
+                ct = self.lp.Constraint(-big, self.lp.infinity())
+                ct.SetCoefficient(a, 1.0)
+                ct.SetCoefficient(r, -big)
+                for v, c in expr.items():
+                    ct.SetCoefficient(v, -c)
+                coef[a] += 1.0
+            else:  # counted when r = 0: expr - a, a <= expr, a <= big r
+                ct = self.lp.Constraint(0.0, self.lp.infinity())
+                ct.SetCoefficient(a, -1.0)
+                for v, c in expr.items():
+                    ct.SetCoefficient(v, c)
+                    coef[v] += c
+                self.lp.Add(a <= big * r)
+                coef[a] -= 1.0
         return coef
+
+    def remat_var(self, lv: Liveness, group: str):
+        """r of fold group ``group`` ("Checkpointing"): made at its first use, with t >= its
+        layers' recompute time F(x, e) - M (1 - r), t in the objective."""
+        if group in self.remat:
+            return self.remat[group][0]
+        rep = self.folding.rep
+        r = self.lp.BoolVar(f"r_{group}")
+        t = self.lp.NumVar(0.0, self.lp.infinity(), f"t_{group}")
+        nodes: dict = defaultdict(float)
+        edges: dict = defaultdict(float)
+        big = 0.0
+        for rec in lv.groups[group]:
+            for n in rec.nodes:
+                rn = rep(n)
+                costs = self.node_cost[rn] if n not in rec.moved else []
+                for k, c in enumerate(costs):
+                    for v in self.x[rn][k]:
+                        nodes[v] += c * _SCALE
+                big += max(costs, default=0.0) * _SCALE
+                for j, (src, so) in enumerate(self.space.in_sources[n]):
+                    pairs = self.pairs.get((rep(src), so, rn, j), ())
+                    cs = [self.pair_cost.get(ev, 0.0) * _SCALE for ev, _, _ in pairs]
+                    for (ev, _, _), c in zip(pairs, cs):
+                        if c:
+                            edges[ev] += c
+                    big += max(cs, default=0.0)
+        ct = self.lp.Constraint(-big, self.lp.infinity())  # t - F - big r >= -big
+        ct.SetCoefficient(t, 1.0)
+        ct.SetCoefficient(r, -big)
+        for part in (nodes, edges):
+            for v, c in part.items():
+                ct.SetCoefficient(v, ct.GetCoefficient(v) - c)
+        self.remat[group] = (r, t, nodes, edges)
+        self.coef[t] += 1.0
+        if self._active is self.coef:
+            self.lp.Objective().SetCoefficient(t, 1.0)
+        return r
+
+    def recomputed(self) -> set[str]:
+        """The fold groups the solver checkpointed."""
+        return {g for g, (r, *_) in self.remat.items() if r.solution_value() > 0.5}
 
     def memory_cut(self, lv: Liveness, i: int, bound) -> None:
         """bytes(i) <= bound (bytes, or a variable in MiB): one point of the step bounded."""
+        self.lv = lv
         expr = self.memory_point(lv, i)
         rhs = bound if not isinstance(bound, (int, float)) else float(bound) / _MIB
         self.lp.Add(sum(c * v for v, c in expr.items()) <= rhs)
@@ -615,13 +729,15 @@ class IlpBuilder:
             lambda n, o: strats[n][choice[n]].out[o],
             lambda n, j: strats[n][choice[n]].ins[j],
             self.optimizer,
+            self.recomputed(),
         )
 
     def objective(self, coef: dict | None = None) -> None:
         """min sum of the coefficients gathered (``coef``: use these instead)."""
         obj = self.lp.Objective()
         obj.Clear()
-        for v, c in (self.coef if coef is None else coef).items():
+        self._active = self.coef if coef is None else coef
+        for v, c in self._active.items():
             obj.SetCoefficient(v, c)
         obj.SetMinimization()
 
@@ -699,8 +815,24 @@ def read_solution(ilp: IlpBuilder, status: int, stats: dict, time_limit_s: float
             for label in t.labels:
                 for coll in colls:
                     collectives.append((label, coll, collectives_time([coll], mesh, profile)))
+    chosen = ilp.recomputed()
+    recompute: list[Recompute] = []
+    recompute_s = 0.0
+    for g in sorted(chosen):
+        _, _, nodes, edges = ilp.remat[g]
+        compute_s += sum(c * v.solution_value() for v, c in nodes.items()) / _SCALE
+        comm_s += sum(c * v.solution_value() for v, c in edges.items()) / _SCALE
+        recompute_s += sum(
+            c * v.solution_value() for part in (nodes, edges) for v, c in part.items()
+        )
+        for rec in ilp.lv.groups[g] if ilp.lv is not None else ():
+            recompute.append(rec)
+            collectives.extend(_recomputed_collectives(ilp, rec))
     warnings = []
     extra = {}
+    if chosen:
+        extra["recompute_s"] = recompute_s / _SCALE
+        extra["recomputed_layers"] = len(recompute)
     if status != pywraplp.Solver.OPTIMAL:
         objective = ilp.lp.Objective()
         incumbent, bound = objective.Value() / _SCALE, objective.BestBound() / _SCALE
@@ -731,7 +863,25 @@ def read_solution(ilp: IlpBuilder, status: int, stats: dict, time_limit_s: float
         node_cost_s={n: ilp.node_cost[rep(n)][k] for n, k in choice.items()},
         stats=stats,
         warnings=warnings,
+        recompute=recompute,
     )
+
+
+def _recomputed_collectives(ilp: IlpBuilder, rec: Recompute) -> list[tuple[str, Collective, float]]:
+    """The collectives the copies of ``rec``'s nodes run again: the chosen pairs of the
+    edges into them."""
+    space, rep = ilp.space, ilp.folding.rep
+    found = []
+    for n in rec.nodes:
+        for j, (src, so) in enumerate(space.in_sources[n]):
+            for ev, p, q in ilp.pairs.get((rep(src), so, rep(n), j), ()):
+                if p == q or ev.solution_value() < 0.5:
+                    continue
+                shape, dtype = space.tensor(src, so)
+                for coll in redistribute_collectives(p, q, shape, dtype, space.mesh.shape):
+                    t = collectives_time([coll], space.mesh, ilp.profile)
+                    found.append((f"{src}->{n} (recomputed)", coll, t))
+    return found
 
 
 MAX_ROUNDS = 16
@@ -745,16 +895,16 @@ def _slack(budget: float) -> float:
 
 def _new_cuts(ilp: IlpBuilder, report: MemoryReport, bound: float) -> list[int]:
     """Points of ``report`` above ``bound`` to bound next: the peak, and the highest point
-    of the other half of the step (forward or backward), if not bounded yet."""
+    of the other half of the step (forward, backward), if not bounded yet."""
     space = ilp.space
     totals = [t for _, t in report.timeline]
     backward = [space.roles.get(n, roles.BACKWARD) == roles.BACKWARD for n, _ in report.timeline]
     peak = report.peak_index
-    other = [i for i in range(len(totals)) if backward[i] != backward[peak]]
-    points = [peak]
+    other = [k for k in range(len(totals)) if backward[k] != backward[peak]]
+    ks = [peak]
     if other:
-        points.append(max(other, key=lambda i: totals[i]))
-    return [i for i in points if totals[i] > bound and i not in ilp.cuts]
+        ks.append(max(other, key=lambda k: totals[k]))
+    return [report.points[k] for k in ks if totals[k] > bound and report.points[k] not in ilp.cuts]
 
 
 def _bounded(
@@ -843,6 +993,7 @@ def solve(
     grad_overlap: float = GRAD_OVERLAP,
     merge: bool = True,
     mip_gap: float = MIP_GAP,
+    checkpointing: bool = True,
 ) -> Solution:
     """Solve the ILP of the module docstring for ``space``.
 
@@ -858,18 +1009,19 @@ def solve(
     ``merge``: simplification 1 (following nodes); False gives every node its own variables
     and every edge all its pairs.
     ``mip_gap``: stop once the incumbent is within this fraction of the best bound.
+    ``checkpointing``: the solver may recompute layers' activations in the backward where
+    the budget binds ("Checkpointing"); False keeps every activation.
     """
     solver = solver or os.environ.get("AUTOPAR_SOLVER", "HIGHS")
     options = dict(merge=merge, reshard_axes=reshard_axes, grad_overlap=grad_overlap)
     profile = get_profile(space.mesh.device)
-    lv = liveness(space)
     budget: float | None
     if memory_fraction is not None:
         if memory_budget is not None:
             raise ValueError("give memory_budget or memory_fraction, not both")
         if not 0 < memory_fraction:
             raise ValueError(f"memory_fraction must be > 0, got {memory_fraction}")
-        whole = measure(lv, lambda n, o: None, lambda n, j: None, optimizer).peak_bytes
+        whole = measure(liveness(space), lambda n, o: None, lambda n, j: None, optimizer).peak_bytes
         budget = memory_fraction * whole
     elif memory_budget == DEVICE_BUDGET:
         budget = profile.usable_memory
@@ -877,6 +1029,7 @@ def solve(
         raise ValueError(f"memory_budget: bytes, {DEVICE_BUDGET!r} or None; got {memory_budget!r}")
     else:
         budget = None if memory_budget is None else float(memory_budget)
+    lv = liveness(space, remat.candidates(space) if checkpointing and budget is not None else ())
     ilp = build_ilp(space, profile, solver=solver, optimizer=optimizer, **options)
     t0 = time.perf_counter()
     if budget is None:

@@ -83,7 +83,7 @@ from autopar.core import (
 )
 
 from . import rules  # noqa: F401 - registers autopar's own rules with DTensor
-from .fold import FoldedGraph
+from .fold import FoldedGraph, layer_regions
 from .trace import StepGraph
 
 __all__ = [
@@ -518,6 +518,11 @@ def build_strategies(
             raise ValueError(f"unexpected node {node.format_node()} in the step graph")
     b.graph_outputs()
     sp.rep = {n: r for n, r in rep.items() if n != r}
+    if folded is not None:
+        sp.regions = dict(folded.region)
+        sp.region_groups = {r: g.instances[0] for g in folded.groups for r in g.instances}
+    else:
+        sp.regions = layer_regions(step)
     sp.notes = list(step.notes)
     sp.reduce_at = dict(step.reduce_at)
     return sp

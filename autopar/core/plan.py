@@ -23,10 +23,10 @@ import torch
 from .mesh import Mesh
 from .placements import parse_placements, placement_str
 from .roles import op_name
-from .space import Solution, StrategySpace
+from .space import Recompute, Solution, StrategySpace
 from .version import __version__
 
-__all__ = ["Plan", "NodeChoice", "PLAN_FORMAT", "STATS_ORDER"]
+__all__ = ["Plan", "NodeChoice", "PLAN_FORMAT", "STATS_ORDER", "index_ranges"]
 
 PLAN_FORMAT = 1
 
@@ -47,6 +47,21 @@ STATS_ORDER = (
     "fold_groups",
 )
 """The order of ``Plan.stats`` keys in the JSON (the rest follow in the order given)."""
+
+
+def index_ranges(indices: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``0..2,5``."""
+    out, start, prev = [], None, None
+    for i in sorted(indices) + [None]:
+        if start is None:
+            start = prev = i
+            continue
+        if i is not None and prev is not None and i == prev + 1:
+            prev = i
+            continue
+        out.append(str(start) if start == prev else f"{start}..{prev}")
+        start = prev = i
+    return ",".join(out)
 
 
 @dataclass(frozen=True)
@@ -122,6 +137,8 @@ class Plan:
             category, the bytes after each). The budget it was bounded by is
             ``stats["memory_budget"]``.
         warnings: ops replicated for lack of a rule, and similar notes.
+        recompute: the layers whose activations the step recomputes in the backward
+            (activation checkpointing, passes/remat).
         stats: planning statistics: problem size, solver status, and timings
             (``trace_s``, ``search_s`` and per stage ``*_s``).
         versions: versions of autopar and torch that made the plan.
@@ -142,6 +159,7 @@ class Plan:
     warnings: tuple[str, ...] = ()
     stats: dict = field(default_factory=dict)
     versions: dict = field(default_factory=dict)
+    recompute: tuple[Recompute, ...] = ()
 
     # -- construction --------------------------------------------------------------------
 
@@ -234,6 +252,7 @@ class Plan:
             + tuple(space.fallbacks[n] for n in sorted(space.fallbacks)),
             stats=ordered,
             versions={"autopar": __version__, "torch": torch.__version__.split("+")[0]},
+            recompute=tuple(solution.recompute),
         )
 
     # -- views ---------------------------------------------------------------------------
@@ -283,6 +302,23 @@ class Plan:
             f"{step['peak_node']} ({step['optimizer']}; MiB: {parts})"
         ]
 
+    def checkpointing_text(self) -> str:
+        """The layers checkpointed, their indices as ranges: ``model.layers.{0..31}``."""
+        by_prefix: dict[str, list[int]] = {}
+        for r in self.recompute:
+            prefix, _, idx = r.region.rpartition(".")
+            by_prefix.setdefault(prefix, []).append(int(idx) if idx.isdigit() else -1)
+        return ", ".join(f"{p}.{{{index_ranges(ix)}}}" for p, ix in by_prefix.items())
+
+    def _checkpointing_lines(self) -> list[str]:
+        if not self.recompute:
+            return []
+        extra = self.stats.get("recompute_s", 0.0) * 1e3
+        return [
+            f"activation checkpointing: {len(self.recompute)} layers recompute their "
+            f"activations in the backward ({self.checkpointing_text()}; +{extra:.4f} ms)"
+        ]
+
     def summary(self) -> str:
         """A readable table: parameters and their placements, the step's costs, the
         collectives per step, and the planning statistics."""
@@ -311,6 +347,7 @@ class Plan:
             f"parameter memory per rank: {self.memory.get('param_bytes_per_rank', 0) / 2**20:.2f} MiB"
             f" of {self.memory.get('param_bytes_total', 0) / 2**20:.2f} MiB",
             *self._step_memory_lines(),
+            *self._checkpointing_lines(),
             "collectives per step: "
             + (
                 ", ".join(f"{k}@{a} x{n}" for (k, a), n in self.collective_counts().items())
@@ -364,6 +401,7 @@ class Plan:
             "cost": dict(self.cost),
             "memory": dict(self.memory),
             "warnings": list(self.warnings),
+            "recompute": [r.to_dict() for r in self.recompute],
             "stats": stats,
             "versions": dict(self.versions),
         }
@@ -393,6 +431,7 @@ class Plan:
             warnings=tuple(d["warnings"]),
             stats=dict(d["stats"]),
             versions=dict(d["versions"]),
+            recompute=tuple(Recompute.from_dict(r) for r in d.get("recompute", ())),
         )
 
     @classmethod

@@ -21,6 +21,7 @@ __all__ = [
     "COLLECTIVE_KINDS",
     "Collective",
     "Edge",
+    "Recompute",
     "Sink",
     "Solution",
     "Strategy",
@@ -29,6 +30,42 @@ __all__ = [
 ]
 
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+
+
+@dataclass(frozen=True, slots=True)
+class Recompute:
+    """One layer's checkpointing (passes/remat).
+
+    Attributes:
+        region: the layer (``model.layers.3``).
+        group: the fold group's first region (the layer itself when not folded): one
+            choice per group.
+        nodes: the forward nodes it recomputes (C(R)), in step order.
+        before: the backward node their copies run before (before(R)).
+        moved: the nodes of ``nodes`` that no longer run in the forward (nothing there
+            reads them): they run once, in the backward (moved(R)).
+    """
+
+    region: str
+    group: str
+    nodes: tuple[str, ...]
+    before: str
+    moved: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict:
+        return {
+            "region": self.region,
+            "group": self.group,
+            "nodes": list(self.nodes),
+            "before": self.before,
+            "moved": list(self.moved),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Recompute:
+        return cls(
+            d["region"], d["group"], tuple(d["nodes"]), d["before"], tuple(d.get("moved", ()))
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +165,10 @@ class StrategySpace:
         reduce_at: gradient cast of a mixed-precision step -> where its gradient is reduced
             across ranks: ``"after"`` (no reduction on its input edge) or ``"before"`` (its
             input arrives reduced: no Partial placement into it). passes/trace.
+        regions: node name -> its layer (passes/fold's region, ``model.layers.3``); nodes
+            outside every layer are missing.
+        region_groups: layer -> the first layer of its fold group (a layer missing here is
+            its own group): passes/remat checkpoints a group's layers alike.
     """
 
     mesh: Mesh
@@ -151,6 +192,8 @@ class StrategySpace:
     has_loss: bool = True
     notes: list[str] = field(default_factory=list)
     reduce_at: dict[str, str] = field(default_factory=dict)
+    regions: dict[str, str] = field(default_factory=dict)
+    region_groups: dict[str, str] = field(default_factory=dict)
 
     @functools.cached_property
     def in_sources(self) -> dict[str, list[tuple[str, int]]]:
@@ -212,6 +255,8 @@ class Solution:
         node_cost_s: node name -> its compute time under the chosen strategy.
         stats: solver statistics (problem size, status, seconds per phase).
         warnings: what the user should know of the solve (a time limit reached).
+        recompute: the layers checkpointed (passes/remat); their time is in
+            ``compute_s`` and ``comm_s``.
     """
 
     choice: dict[str, int]
@@ -222,6 +267,7 @@ class Solution:
     node_cost_s: dict[str, float] = field(default_factory=dict)
     stats: dict = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    recompute: list[Recompute] = field(default_factory=list)
 
     def chosen(self, space: StrategySpace, name: str) -> Strategy:
         """The strategy node ``name`` takes."""

@@ -94,8 +94,14 @@ def _case_id(case) -> str:
 SLOW = {"qwen2", "mistral", "gemma2", "mixtral", "qwen2-moe", "t5", "lstm", "llama-bf16"}
 
 
+# NOTE: meshes that the cases above cover for the same family, or for a like one (the
+# (4,) meshes of gpt, hf-gpt2 and hf-llama beside mlp's; vit's (2,) beside bert's):
+# slow too, for CI's half-hour
+SLOW_CASES = {("gpt", (4,)), ("hf-gpt2", (4,)), ("hf-llama", (4,)), ("vit", (2,))}
+
+
 def _param(case):
-    slow = case[0] in SLOW and len(case[1]) == 2
+    slow = (case[0] in SLOW and len(case[1]) == 2) or (case[0], case[1]) in SLOW_CASES
     return pytest.param(case, id=_case_id(case), marks=[pytest.mark.slow] if slow else [])
 
 

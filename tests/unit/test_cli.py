@@ -146,7 +146,8 @@ def test_layer_patterns_keep_apart_layers_placed_differently():
     from pathlib import Path
 
     from autopar import Plan
-    from autopar.show import _ranges, layer_groups
+    from autopar.core.plan import index_ranges
+    from autopar.show import layer_groups
 
     golden = Path(__file__).resolve().parent.parent / "golden" / "gpt-2x2-cpu-mem0.5.json.gz"
     plan = Plan.from_json(gzip.decompress(golden.read_bytes()).decode())
@@ -155,5 +156,5 @@ def test_layer_patterns_keep_apart_layers_placed_differently():
     names = [g[0] for g in layer_groups(plan)]
     assert "blocks.0.attn.q.weight" in names and "blocks.1.attn.q.weight" in names
     assert "blocks.{0..1}.attn.k.weight" in names
-    assert _ranges([0, 1, 2, 5, 7, 8]) == "0..2,5,7..8"
-    assert _ranges([3]) == "3"
+    assert index_ranges([0, 1, 2, 5, 7, 8]) == "0..2,5,7..8"
+    assert index_ranges([3]) == "3"

@@ -202,8 +202,12 @@ def test_two_alternating_kinds_of_layer_fold_into_two_groups():
         step = _trace(*example, stack)
         folded = fold_regions(step)
         # a budget may make the unfolded optimum shard two layers of one kind differently
-        # (one sharded more to make room for the other): folding gives that up
-        folded_sol, plain_sol = _solve_both(step, mesh, same_plan=False, memory_fraction=0.5)
+        # (one sharded more to make room for the other): folding gives that up. Without
+        # checkpointing, which the unfolded ILP may also give one layer of a kind alone
+        # (measured: folded 0.644 ms against 0.636 ms with it)
+        folded_sol, plain_sol = _solve_both(
+            step, mesh, same_plan=False, memory_fraction=0.5, checkpointing=False
+        )
     assert folded_sol.objective_s <= plain_sol.objective_s * (1 + 1e-3)
     assert sorted(sorted(g.instances) for g in folded.groups) == [
         ["layers.0", "layers.2"],
