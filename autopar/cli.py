@@ -66,6 +66,7 @@ def plan_example(
     verbose: bool = False,
     fold: bool = True,
     mp_policy=None,
+    checkpointing: bool = True,
 ):
     """Plan a zoo example (or ``file.py:factory``) on the meta device for ``mesh``.
 
@@ -88,6 +89,7 @@ def plan_example(
             memory_fraction=memory_fraction,
             fold=fold,
             mp_policy=mp_policy,
+            checkpointing=checkpointing,
         )
 
 
@@ -105,6 +107,7 @@ def cmd_plan(args) -> int:
         verbose=args.verbose,
         mp_policy=_PRECISIONS[args.precision],
         fold=not args.no_fold,
+        checkpointing=not args.no_checkpointing,
     )
     print(plan.summary())
     if args.out:
@@ -209,6 +212,12 @@ def main(argv=None) -> int:
     )
     pp.add_argument(
         "--no-fold", action="store_true", help="plan every layer on its own (no folding)"
+    )
+    pp.add_argument(
+        "--no-checkpointing",
+        action="store_true",
+        help="keep every activation (by default, where the budget binds, the plan may "
+        "recompute layers' activations in the backward)",
     )
     pp.add_argument("--out", default=None, help="write the plan's JSON here")
     pp.add_argument("-v", "--verbose", action="store_true", help="show warnings")

@@ -1,7 +1,7 @@
 """Plan Llama-3-8B and a GPT-3-like 96-layer model from the meta device, end to end.
 
     python benchmarks/plan_at_scale.py [--models llama3-8b,gpt3] [--meshes 8,8x8,16x8]
-        [--memory-gib G] [--precision bf16-mixed|fp32] [--no-fold]
+        [--memory-gib G] [--precision bf16-mixed|fp32] [--no-fold] [--no-checkpointing]
 
 No weights are allocated (``autopar.models.llama3_8b`` / ``gpt3``, batch 8 x 2048 tokens).
 ``--precision bf16-mixed`` (the default, as these models are trained): float32 parameters and
@@ -10,7 +10,8 @@ AdamW state, bf16 compute, gradients reduced in float32 (``autopar.MixedPrecisio
 from ``plan.stats``. ``--memory-gib`` is the per-rank budget for the step's peak (passes/memory:
 parameters, gradients, AdamW state, activations, temporaries, collective buffers; default:
 the device profile's usable memory); a mesh on which the model cannot fit says so, with
-the smallest budget that would.
+the smallest budget that would. "checkpointed" lists the layers the plan recomputes in the
+backward (passes/remat); ``--no-checkpointing`` plans without that choice.
 """
 
 from __future__ import annotations
@@ -35,9 +36,11 @@ def main() -> None:
     ap.add_argument("--memory-gib", type=float, default=None)
     ap.add_argument("--precision", choices=["bf16-mixed", "fp32"], default="bf16-mixed")
     ap.add_argument("--no-fold", action="store_true")
+    ap.add_argument("--no-checkpointing", action="store_true")
     args = ap.parse_args()
     print_header(
-        f"profile {args.device}; fold {not args.no_fold}; step memory budget "
+        f"profile {args.device}; fold {not args.no_fold}; "
+        f"checkpointing {not args.no_checkpointing}; step memory budget "
         + ("the profile's usable memory" if args.memory_gib is None else f"{args.memory_gib} GiB")
         + f" per rank; AdamW; {args.precision}",
         [
@@ -56,6 +59,7 @@ def main() -> None:
             "budget GiB",
             "peak GiB/rank",
             "cuts",
+            "checkpointed",
             "at the peak (GiB)",
         ],
     )
@@ -79,6 +83,7 @@ def main() -> None:
                     memory_budget=None if args.memory_gib is None else args.memory_gib * 2**30,
                     fold=not args.no_fold,
                     mp_policy=policy,
+                    checkpointing=not args.no_checkpointing,
                 )
             except SolveError as e:
                 wall = time.perf_counter() - t0
@@ -90,12 +95,15 @@ def main() -> None:
             parts = ", ".join(
                 f"{k.replace('_', ' ')} {v / 2**30:.1f}" for k, v in step["at_peak"].items() if v
             )
+            ckpt = (
+                f"{len(plan.recompute)}: {plan.checkpointing_text()}" if plan.recompute else "none"
+            )
             print(
                 f"| {name} | {text} | {st['nodes']} | {st['solver_nodes']} | {st['variables']} "
                 f"| {st['trace_s']:.1f} | {st['fold_s']:.2f} | {st['strategies_s']:.1f} "
                 f"| {st['cost_s'] + st['build_s']:.1f} | {st['ilp_s']:.1f} | {wall:.1f} "
                 f"| {plan.cost['total_s'] * 1e3:.0f} | {st['memory_budget'] / 2**30:.1f} "
-                f"| {step['peak_bytes'] / 2**30:.1f} | {st['memory_cuts']} | {parts} |",
+                f"| {step['peak_bytes'] / 2**30:.1f} | {st['memory_cuts']} | {ckpt} | {parts} |",
                 flush=True,
             )
 

@@ -211,20 +211,9 @@ class _Localizer(torch.fx.Interpreter):
         return type(outs)(new) if isinstance(outs, tuple) else new
 
 
-def _checkpointed(gm: torch.fx.GraphModule, plan: Plan):
-    """``gm``, or a copy of it rewritten to recompute ``plan.recompute`` (passes/remat),
-    and each copy's original."""
-    if not plan.recompute:
-        return gm, {}
-    graph = torch.fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
-    new = torch.fx.GraphModule(gm, graph)
-    return new, remat.apply(new, plan.recompute)
-
-
 def build_local_graph(step: StepGraph, plan: Plan, dmesh) -> LocalStep:
     """Trace the local step graph of ``plan`` on ``dmesh`` (see the module docstring)."""
-    gm, copy_of = _checkpointed(step.gm, plan)
+    gm, copy_of = remat.checkpointed(step.gm, plan.recompute)
     interp = _Localizer(gm, plan, dmesh, copy_of)
     local_args = []
     for n in step.placeholders():

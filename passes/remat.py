@@ -48,7 +48,7 @@ import torch
 
 from autopar.core import Recompute, StrategySpace, roles
 
-__all__ = ["COPY", "Recompute", "apply", "candidates", "is_alias", "storage_map"]
+__all__ = ["COPY", "Recompute", "apply", "candidates", "checkpointed", "is_alias", "storage_map"]
 
 COPY = "recompute:"
 """Prefix of the name of a copy's point in passes/memory's step order."""
@@ -170,6 +170,20 @@ def candidates(space: StrategySpace) -> list[Recompute]:
             )
         )
     return found
+
+
+def checkpointed(
+    gm: torch.fx.GraphModule, chosen: Sequence[Recompute]
+) -> tuple[torch.fx.GraphModule, dict[str, str]]:
+    """``gm``, or a copy of it rewritten to recompute ``chosen`` (``apply``), and each
+    copy's original's name."""
+    if not chosen:
+        return gm, {}
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    graph.set_codegen(gm.graph._codegen)  # the same calling convention (pytree in and out)
+    new = torch.fx.GraphModule(gm, graph)
+    return new, apply(new, chosen)
 
 
 def apply(gm: torch.fx.GraphModule, chosen: Sequence[Recompute]) -> dict[str, str]:

@@ -960,7 +960,9 @@ def smallest_budget(
     return best
 
 
-def _budget_error(budget: float, least: MemoryReport | None, time_limit_s: float) -> SolveError:
+def _budget_error(
+    budget: float, least: MemoryReport | None, time_limit_s: float, checkpointing: bool
+) -> SolveError:
     if least is None:
         return SolveError(
             f"no plan fits the memory budget of {budget / _MIB:.1f} MiB per rank, and the "
@@ -973,7 +975,8 @@ def _budget_error(budget: float, least: MemoryReport | None, time_limit_s: float
         f"peak, {least.optimizer} state included): the smallest budget that fits is "
         f"{least.peak_bytes / _MIB:.1f} MiB ({least.peak_bytes} bytes), where "
         f"{top.replace('_', ' ')} dominate ({least.at_peak[top] / _MIB:.1f} MiB at node "
-        f"{least.peak_node}); raise the budget to at least that, or use a larger mesh"
+        f"{least.peak_node}); raise the budget to at least that, "
+        + ("or use a larger mesh" if checkpointing else "allow checkpointing, or use a larger mesh")
     )
 
 
@@ -1051,7 +1054,7 @@ def solve(
                 space, profile, lv, solver=solver, time_limit_s=time_limit_s,
                 optimizer=optimizer, **options,
             )  # fmt: skip
-            raise _budget_error(budget, least, time_limit_s)
+            raise _budget_error(budget, least, time_limit_s, checkpointing)
         # NOTE: every node may replicate everything (passes/strategies), so without a budget
         # the all-replicated plan is always a solution: this is a bug, not the model's fault
         raise SolveError(

@@ -1,0 +1,154 @@
+"""Activation checkpointing (passes/remat): what a layer recomputes, and the step it makes.
+
+On one device the checkpointed step, rewritten as codegen rewrites it and run by an fx
+Interpreter that frees each value after its last use, must compute the same values as the
+step without checkpointing, to the bit, and peak at the bytes passes/memory predicts, to the
+byte.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+import autopar
+from autopar.core import roles
+from autopar.models import EXAMPLES, mse_loss
+from autopar.passes import remat
+from autopar.passes.fold import fold_regions
+from autopar.passes.memory import liveness, measure, simulate
+from autopar.passes.strategies import build_strategies
+from autopar.passes.trace import trace_step
+from autopar.verify import LiveStorages
+
+MESH = autopar.Mesh((1,), ("dp",), device="cpu")
+
+
+def _space(model, inputs, loss_fn, targets, mesh=MESH):
+    with contextlib.ExitStack() as stack:
+        step = trace_step(model, inputs, loss_fn=loss_fn, example_targets=targets, stack=stack)
+    return step, build_strategies(step, mesh, folded=fold_regions(step))
+
+
+def test_each_layer_recomputes_its_inside_and_keeps_its_boundary():
+    torch.manual_seed(0)
+    model, inputs, loss_fn, targets = EXAMPLES["gpt"]()
+    _, space = _space(model, inputs, loss_fn, targets)
+    found = remat.candidates(space)
+    assert [c.region for c in found] == ["blocks.0", "blocks.1"]
+    assert {c.group for c in found} == {"blocks.0"}  # folded: one choice for both
+    index = {n: i for i, n in enumerate(space.order)}
+    for c in found:
+        assert c.nodes and set(c.moved) <= set(c.nodes)
+        for n in c.nodes:
+            assert space.roles[n] == roles.FORWARD and space.regions[n] == c.region
+            assert index[n] < index[c.before]
+        assert space.roles[c.before] == roles.BACKWARD
+        assert space.regions[c.before] == c.region
+        # the layer's output (the residual stream) is read by the next layer: kept
+        users = {n: [] for n in space.order}
+        for n in space.order:
+            for src, _ in space.in_sources[n]:
+                users[src].append(n)
+        for n in c.nodes:
+            assert all(space.regions.get(u) == c.region for u in users[n])
+
+
+class _Dropout(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Dropout(0.5), nn.Linear(16, 16))
+            for _ in range(2)
+        )
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_random_ops_are_kept_not_recomputed():
+    model = _Dropout().train()
+    _, space = _space(model, (torch.randn(8, 16),), mse_loss, (torch.randn(8, 16),))
+    found = remat.candidates(space)
+    assert found
+    for c in found:
+        inside = [n for n, r in space.regions.items() if r == c.region]
+        random = [n for n in inside if _random(space.targets[n])]
+        assert random  # the layer draws random numbers ...
+        assert not set(random) & set(c.nodes)  # ... and keeps them
+
+
+def _random(target) -> bool:
+    return torch.Tag.nondeterministic_seeded in getattr(target, "tags", ())
+
+
+def test_nothing_checkpointed_is_the_step_without_checkpointing():
+    torch.manual_seed(0)
+    model, inputs, loss_fn, targets = EXAMPLES["hf-llama"]()
+    _, space = _space(model, inputs, loss_fn, targets)
+    found = remat.candidates(space)
+    plain = measure(liveness(space), lambda n, o: None, lambda n, j: None, "none")
+    offered = measure(liveness(space, found), lambda n, o: None, lambda n, j: None, "none")
+    assert offered.timeline == plain.timeline
+    assert offered.by_category == plain.by_category
+    every = measure(
+        liveness(space, found),
+        lambda n, o: None,
+        lambda n, j: None,
+        "none",
+        {c.group for c in found},
+    )
+    assert every.peak_bytes < plain.peak_bytes
+    assert every.at_peak["activations"] < plain.at_peak["activations"]
+    copies = [n for n, _ in every.timeline if n.startswith(remat.COPY)]
+    assert len(copies) == sum(len(c.nodes) for c in found)
+
+
+@pytest.mark.parametrize("name, fraction", [("gpt", 0.85), ("hf-llama", 0.8)])
+def test_checkpointed_step_computes_the_same_and_peaks_as_predicted(name, fraction):
+    torch.manual_seed(0)
+    model, inputs, loss_fn, targets = EXAMPLES[name]()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = autopar.plan(
+            model,
+            MESH,
+            inputs,
+            loss_fn=loss_fn,
+            example_targets=targets,
+            memory_fraction=fraction,
+            optimizer="none",
+        )
+    # one device cannot shard: only checkpointing meets the budget
+    assert len(plan.recompute) == 2
+    step, space = _space(model, inputs, loss_fn, targets)
+    report = simulate(space, plan, optimizer="none")
+    assert report.peak_bytes <= plan.stats["memory_budget"]
+    gm, copy_of = remat.checkpointed(step.gm, plan.recompute)
+    assert len(copy_of) == sum(len(r.nodes) for r in plan.recompute)
+    gm.graph.eliminate_dead_code()  # as codegen: an original nothing reads any more goes
+    gm.recompile()
+    params = [p.detach() for _, p in model.named_parameters(remove_duplicate=False)]
+    buffers = [b for _, b in model.named_buffers(remove_duplicate=False)]
+    tangent = [torch.ones((), dtype=step.placeholders()[-1].meta["val"].dtype)]
+    args = [*params, *buffers, *inputs, *targets, *tangent]
+    seen = LiveStorages()
+    for a in args[:-1]:  # the tangent lives only until it is used
+        seen.add(a)
+    with torch.no_grad(), seen:
+        seen.peak = seen.live()
+        got = torch.fx.Interpreter(gm, garbage_collect_values=True).run(*args)
+    with torch.no_grad():
+        want = torch.fx.Interpreter(step.gm).run(*args)
+    assert report.peak_bytes == seen.peak, (report.at_peak, seen.peak)
+    got, want = tree_flatten(got)[0], tree_flatten(want)[0]
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
