@@ -226,8 +226,10 @@ def test_two_alternating_kinds_of_layer_fold_into_two_groups():
     assert a.collectives, "the budget forces sharding"
 
 
-# depth 8 (80 s here) is marked slow: `python -m pytest -q -m slow tests`
-@pytest.mark.parametrize("depth", [2, 4, pytest.param(8, marks=pytest.mark.slow)])
+# depths 4 (39 s here) and 8 (80 s) are marked slow: `python -m pytest -q -m slow tests`
+@pytest.mark.parametrize(
+    "depth", [2, pytest.param(4, marks=pytest.mark.slow), pytest.param(8, marks=pytest.mark.slow)]
+)
 def test_folded_plan_equals_unfolded_plan(depth):
     mesh = autopar.Mesh((2, 2), ("dp", "tp"), device="h100")
     with contextlib.ExitStack() as stack:
