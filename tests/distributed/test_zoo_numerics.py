@@ -37,7 +37,8 @@ CASES = [
     ("gpt", (2,), ("dp",), "float64", 0.6, F64, None),
     ("gpt", (4,), ("dp",), "float64", 0.3, F64, None),
     ("gpt", (2, 2), ("dp", "tp"), "float64", 0.5, F64, None),
-    ("gpt-tied", (2, 2), ("dp", "tp"), "float64", 0.35, F64, None),  # shards the tied weight
+    # the tied weight's two names are placed alike (0.35 would also do, in 3x the solve)
+    ("gpt-tied", (2, 2), ("dp", "tp"), "float64", 0.4, F64, None),
     ("hf-gpt2", (2,), ("dp",), "float64", 0.6, F64, None),
     ("hf-gpt2", (4,), ("dp",), "float64", 0.3, F64, None),
     ("hf-gpt2", (2, 2), ("dp", "tp"), "float64", 0.5, F64, None),
@@ -139,7 +140,7 @@ def test_zoo_matches_single_device(case):
     assert r0.local_params == r0.model_params
     plan = Plan.from_json(r0.plan_json)
     if example == "gpt-tied":
-        # the two names of the tied weight are placed alike, and the budget shards them
+        # the two names of the tied weight are placed alike, and the budget shards weights
         pp = plan.param_placements
         assert pp["tok.weight"] == pp["head.weight"]
         assert any(p != ("R", "R") for p in (plan.nodes[n].out[0] for n in plan.params.values()))
