@@ -192,6 +192,25 @@ class _Stderr(logging.StreamHandler):
         super().emit(record)
 
 
+def run_measured(gm: torch.fx.GraphModule, step, model, inputs, targets):
+    """Run the one-device step graph ``gm`` (``step``'s, or a rewrite of it) on ``model``'s
+    weights, freeing each value after its last use, under a ``LiveStorages`` probe.
+    Returns the outputs and the peak bytes (the tangent counts only until it is used)."""
+    params = [p.detach() for _, p in model.named_parameters(remove_duplicate=False)]
+    buffers = [b for _, b in model.named_buffers(remove_duplicate=False)]
+    tangent = [torch.ones((), dtype=step.placeholders()[-1].meta["val"].dtype)]
+    tangent = tangent if step.has_loss else []
+    args = [*params, *buffers, *inputs, *targets, *tangent]
+    assert len(args) == len(step.placeholders())
+    seen = LiveStorages()
+    for a in args[: len(args) - len(tangent)]:
+        seen.add(a)
+    with torch.no_grad(), seen:
+        seen.peak = seen.live()
+        out = torch.fx.Interpreter(gm, garbage_collect_values=True).run(*args)
+    return out, seen.peak
+
+
 def log_stages() -> None:
     """Send the ``autopar`` logger's stage lines to stderr, as they happen."""
     log = logging.getLogger("autopar")

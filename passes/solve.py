@@ -1034,13 +1034,16 @@ def solve(
     solver = solver or os.environ.get("AUTOPAR_SOLVER", "HIGHS")
     options = dict(merge=merge, reshard_axes=reshard_axes, grad_overlap=grad_overlap)
     profile = get_profile(space.mesh.device)
+    bounded = memory_budget is not None or memory_fraction is not None
+    lv = liveness(space, remat.candidates(space) if checkpointing and bounded else ())
     budget: float | None
     if memory_fraction is not None:
         if memory_budget is not None:
             raise ValueError("give memory_budget or memory_fraction, not both")
         if not 0 < memory_fraction:
             raise ValueError(f"memory_fraction must be > 0, got {memory_fraction}")
-        whole = measure(liveness(space), lambda n, o: None, lambda n, j: None, optimizer).peak_bytes
+        # nothing checkpointed: the whole step as one device runs it
+        whole = measure(lv, lambda n, o: None, lambda n, j: None, optimizer).peak_bytes
         budget = memory_fraction * whole
     elif memory_budget == DEVICE_BUDGET:
         budget = profile.usable_memory
@@ -1048,7 +1051,6 @@ def solve(
         raise ValueError(f"memory_budget: bytes, {DEVICE_BUDGET!r} or None; got {memory_budget!r}")
     else:
         budget = None if memory_budget is None else float(memory_budget)
-    lv = liveness(space, remat.candidates(space) if checkpointing and budget is not None else ())
     ilp = build_ilp(space, profile, solver=solver, optimizer=optimizer, **options)
     t0 = time.perf_counter()
     if budget is None:

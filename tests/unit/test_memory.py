@@ -22,7 +22,7 @@ from autopar.models import EXAMPLES
 from autopar.passes.memory import CATEGORIES, simulate
 from autopar.passes.strategies import build_strategies
 from autopar.passes.trace import trace_step
-from autopar.verify import LiveStorages
+from autopar.verify import run_measured
 
 
 def _traced(name, mesh, mp_policy=None, **plan_kwargs):
@@ -65,19 +65,8 @@ def test_simulated_peak_is_the_measured_peak_on_one_device(name, mp_policy):
         name, autopar.Mesh((1,), ("dp",), device="cpu"), mp_policy
     )
     report = simulate(space, plan, optimizer="none")
-    params = [p.detach() for _, p in model.named_parameters(remove_duplicate=False)]
-    buffers = [b for _, b in model.named_buffers(remove_duplicate=False)]
-    tangent = [torch.ones((), dtype=step.placeholders()[-1].meta["val"].dtype)]
-    tangent = tangent if step.has_loss else []
-    args = [*params, *buffers, *inputs, *targets, *tangent]
-    assert len(args) == len(step.placeholders())
-    seen = LiveStorages()
-    for a in args[: len(args) - len(tangent)]:  # the tangent lives only until it is used
-        seen.add(a)
-    with torch.no_grad(), seen:
-        seen.peak = seen.live()
-        torch.fx.Interpreter(step.gm, garbage_collect_values=True).run(*args)
-    assert report.peak_bytes == seen.peak, (report.at_peak, seen.peak)
+    _, peak = run_measured(step.gm, step, model, inputs, targets)
+    assert report.peak_bytes == peak, (report.at_peak, peak)
     assert report.at_peak["optimizer_state"] == 0
     assert sum(report.at_peak.values()) == report.peak_bytes
     assert set(report.at_peak) == set(CATEGORIES)

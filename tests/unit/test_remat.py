@@ -24,7 +24,7 @@ from autopar.passes.fold import fold_regions
 from autopar.passes.memory import liveness, measure, simulate
 from autopar.passes.strategies import build_strategies
 from autopar.passes.trace import trace_step
-from autopar.verify import LiveStorages
+from autopar.verify import run_measured
 
 MESH = autopar.Mesh((1,), ("dp",), device="cpu")
 
@@ -135,19 +135,9 @@ def test_checkpointed_step_computes_the_same_and_peaks_as_predicted(name, fracti
     assert len(copy_of) == sum(len(r.nodes) for r in plan.recompute)
     gm.graph.eliminate_dead_code()  # as codegen: an original nothing reads any more goes
     gm.recompile()
-    params = [p.detach() for _, p in model.named_parameters(remove_duplicate=False)]
-    buffers = [b for _, b in model.named_buffers(remove_duplicate=False)]
-    tangent = [torch.ones((), dtype=step.placeholders()[-1].meta["val"].dtype)]
-    args = [*params, *buffers, *inputs, *targets, *tangent]
-    seen = LiveStorages()
-    for a in args[:-1]:  # the tangent lives only until it is used
-        seen.add(a)
-    with torch.no_grad(), seen:
-        seen.peak = seen.live()
-        got = torch.fx.Interpreter(gm, garbage_collect_values=True).run(*args)
-    with torch.no_grad():
-        want = torch.fx.Interpreter(step.gm).run(*args)
-    assert report.peak_bytes == seen.peak, (report.at_peak, seen.peak)
+    got, peak = run_measured(gm, step, model, inputs, targets)
+    want, _ = run_measured(step.gm, step, model, inputs, targets)
+    assert report.peak_bytes == peak, (report.at_peak, peak)
     got, want = tree_flatten(got)[0], tree_flatten(want)[0]
     assert len(got) == len(want)
     for a, b in zip(got, want):
