@@ -27,6 +27,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from . import plan_cache
 from .core import Mesh, MixedPrecision, Plan
 from .passes.pipeline import (
     COMPILE_STAGES,
@@ -58,6 +59,7 @@ def _options(
     optimizer: str = "adamw",
     memory_fraction: float | None = None,
     checkpointing: bool = True,
+    forbid=(),
 ) -> PlanOptions:
     return PlanOptions(
         time_limit_s=time_limit_s,
@@ -66,6 +68,7 @@ def _options(
         skip=frozenset(skip) | (frozenset() if fold else {"fold"}),
         optimizer=optimizer,
         checkpointing=checkpointing,
+        forbid=tuple(tuple((str(n), str(t)) for n, t in choice) for choice in forbid),
     )
 
 
@@ -157,6 +160,9 @@ def plan(
     memory_fraction: float | None = None,
     mp_policy: MixedPrecision | None = None,
     checkpointing: bool = True,
+    cache: bool = False,
+    forbid=(),
+    fingerprint: str | None = None,
 ) -> Plan:
     """Plan ``model`` for ``mesh`` without processes or weights (a meta model works).
 
@@ -174,7 +180,13 @@ def plan(
     in ``reduce_dtype``; planned, priced and counted as the step runs it.
     ``checkpointing``: where the budget binds, the solver may recompute layers'
     activations in the backward instead of keeping them (priced in step time; passes/remat);
-    False keeps every activation.
+    False keeps every activation. ``cache``: read the plan from the plan cache when the
+    same step was planned for the same mesh, profile, options and versions before, and
+    keep it there otherwise (autopar/plan_cache.py; the CLI's default). ``forbid``:
+    choices the plan may not make, each a sequence of ``(node, placements text)`` of which
+    the plan changes at least one (passes/solve; ``autopar explain``). ``fingerprint``:
+    the step graph the plan must be for (a saved plan's): ``PlanMismatchError`` if the model
+    traces to another, before any search.
     """
     if not isinstance(mesh, Mesh):
         raise TypeError(
@@ -182,12 +194,25 @@ def plan(
             "for a torch DeviceMesh use autopar.Mesh.from_device_mesh(mesh)"
         )
     options = _options(
-        time_limit_s, memory_budget, fold, skip, optimizer, memory_fraction, checkpointing
+        time_limit_s, memory_budget, fold, skip, optimizer, memory_fraction, checkpointing, forbid
     )
     stats: dict = {}
     with contextlib.ExitStack() as stack:
         step = _trace(model, example_inputs, loss_fn, example_targets, stack, stats, mp=mp_policy)
-        return _search(step, mesh, options, stats)
+        if fingerprint is not None and step.fingerprint() != fingerprint:
+            raise PlanMismatchError(
+                f"this model and these inputs trace to graph {step.fingerprint()}, not "
+                f"{fingerprint}: give the model, batch and precision the plan was made with"
+            )
+        if not cache:
+            return _search(step, mesh, options, stats)
+        key = plan_cache.key(step.fingerprint(), mesh, options)
+        cached = plan_cache.load(key)
+        if cached is not None:
+            return cached
+        made = _search(step, mesh, options, stats)
+        plan_cache.store(key, made)
+        return made
 
 
 def _check_world(device_mesh) -> None:

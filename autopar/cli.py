@@ -4,28 +4,42 @@ autopar plan MODEL --mesh 2x2 [--axes dp,tp] [--device h100] [--batch 8] [--out 
     MODEL is a built-in example (autopar.models.EXAMPLES) or path/to/file.py:factory,
     where factory(batch=...) returns (model, example_inputs, loss_fn, example_targets).
     Plans on the meta device (no weights) and prints the plan's table.
+autopar show plan.json             a saved plan as tables (autopar/show.py)
+autopar diff a.json b.json         what two plans chose differently (autopar/diff.py)
+autopar explain plan.json TARGET   why a choice: the best plan without it (autopar/explain.py)
+autopar report plan.json -o r.html one self-contained HTML report (autopar/report.py)
+autopar verify MODEL --mesh 2x2    the parallel step beside one device, on local gloo ranks
+autopar run script.py --nproc N    a training script on N local processes (torch's launcher)
+autopar demo                       plan a small GPT, train it 3 steps on 4 gloo processes
 
-autopar demo [--mesh 2x2] [--steps 3] [--model gpt]
-    Plans a small GPT, trains it a few steps on a local gloo mesh of 4 processes, and
-    prints each step's loss beside the single-device model's loss.
+Every command takes ``--quiet`` (only errors, on stderr; the exit status says the rest) and
+``--json`` (one JSON document on stdout, nothing else there). Bad input is one line on
+stderr and exit status 2; a mismatch or a failed run is exit status 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import logging
+import os
+import re
 import sys
 import warnings
+from pathlib import Path
 
 import torch
 from rich.console import Console
 
 from . import api
 from .core import Mesh, MixedPrecision, Plan, __version__
+from .diff import diff_plans, render_diff
+from .explain import explain, explain_all, render_all, render_explained, source_of
 from .models import EXAMPLES
-from .show import render
+from .show import render, tables
 from .verify import build_example, log_stages, verify
 
-__all__ = ["main", "plan_example"]
+__all__ = ["launch", "main", "plan_example"]
 
 
 def _mesh_shape(text: str) -> tuple[int, ...]:
@@ -50,6 +64,8 @@ def _axes(shape, text: str | None) -> tuple[str, ...]:
     return names
 
 
+_RANDOM = re.compile(r"dropout|bernoulli|rand|normal|uniform|multinomial")
+
 _PRECISIONS = {
     "model": None,
     "bf16-mixed": MixedPrecision(torch.bfloat16, reduce_dtype=torch.float32),
@@ -67,6 +83,9 @@ def plan_example(
     fold: bool = True,
     mp_policy=None,
     checkpointing: bool = True,
+    cache: bool = False,
+    forbid=(),
+    fingerprint: str | None = None,
 ):
     """Plan a zoo example (or ``file.py:factory``) on the meta device for ``mesh``.
 
@@ -90,11 +109,39 @@ def plan_example(
             fold=fold,
             mp_policy=mp_policy,
             checkpointing=checkpointing,
+            cache=cache,
+            forbid=forbid,
+            fingerprint=fingerprint,
         )
 
 
+class Output:
+    """Where a command's words go: the terminal (rich), nothing (``--quiet``), or one JSON
+    document on stdout (``--json``)."""
+
+    def __init__(self, args):
+        self.quiet = bool(getattr(args, "quiet", False))
+        self.as_json = bool(getattr(args, "json", False))
+        width = getattr(args, "width", None)
+        self.console = Console(width=width, highlight=False, soft_wrap=width is None)
+
+    @property
+    def text(self) -> bool:
+        """Human-readable output is wanted."""
+        return not (self.quiet or self.as_json)
+
+    def print(self, *objects) -> None:
+        if self.text:
+            self.console.print(*objects)
+
+    def json(self, obj) -> None:
+        if self.as_json and not self.quiet:
+            sys.stdout.write(json.dumps(obj, indent=1, default=str) + "\n")
+
+
 def cmd_plan(args) -> int:
-    log_stages()  # a line per pipeline stage as it ends: a long plan is not silent
+    out = Output(args)
+    log_stages(out.text)  # a line per pipeline stage as it ends: a long plan is not silent
     shape = args.mesh
     mesh = Mesh(shape, _axes(shape, args.axes), device=args.device)
     budget = None if args.memory_budget_mib is None else args.memory_budget_mib * 2**20
@@ -108,58 +155,280 @@ def cmd_plan(args) -> int:
         mp_policy=_PRECISIONS[args.precision],
         fold=not args.no_fold,
         checkpointing=not args.no_checkpointing,
+        cache=not args.no_cache,
     )
-    print(plan.summary())
+    # how to rebuild the step (autopar explain)
+    plan.stats["source"] = {
+        "model": args.model,
+        "batch": args.batch,
+        "precision": args.precision,
+        "fold": not args.no_fold,
+        "checkpointing": not args.no_checkpointing,
+        "memory_budget": budget,
+        "memory_fraction": args.memory_fraction,
+    }
     if args.out:
-        plan.save(args.out)
-        print(f"\nplan written to {args.out}")
+        plan.save(args.out, timings=True)
+    if out.as_json:
+        out.json(plan.to_dict(timings=True))
+        return 0
+    if out.text:
+        print(plan.summary())
+        if args.out:
+            print(f"\nplan written to {args.out}")
     return 0
 
 
-def cmd_demo(args) -> int:
+def _load(path: str) -> Plan:
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"{path}: no such file")
+    return Plan.load(path)
+
+
+def cmd_show(args) -> int:
+    out = Output(args)
+    plan = _load(args.plan)
+    out.json(tables(plan))
+    if out.text:
+        render(plan, out.console)
+    return 0
+
+
+def cmd_diff(args) -> int:
+    out = Output(args)
+    d = diff_plans(_load(args.a), _load(args.b))
+    out.json(d)
+    if out.text:
+        render_diff(d, out.console, (args.a, args.b))
+    return 0 if d["identical"] or not args.exit_code else 1
+
+
+def _replanner(plan: Plan, args):
+    """``replan(forbid=...)``: ``plan``'s step planned again (autopar explain)."""
+    source = source_of(plan, args.model, args.batch)
+
+    def replan(forbid) -> Plan:
+        return plan_example(
+            source["model"],
+            plan.mesh,
+            batch=source["batch"],
+            memory_budget=source.get("memory_budget"),
+            memory_fraction=source.get("memory_fraction"),
+            mp_policy=_PRECISIONS[source.get("precision", "model")],
+            fold=source.get("fold", True),
+            checkpointing=source.get("checkpointing", True),
+            forbid=forbid,
+            cache=not args.no_cache,
+            fingerprint=plan.fingerprint,
+        )
+
+    return replan
+
+
+def _explained(r: dict) -> dict:
+    return {k: v for k, v in r.items() if k != "alternative_plan"}
+
+
+def cmd_explain(args) -> int:
+    out = Output(args)
+    log_stages(False)
+    plan = _load(args.plan)
+    replan = _replanner(plan, args)
+    if args.all:
+
+        def progress(text: str) -> None:
+            if out.text:
+                print(f"  planning without the choice of {text}", file=sys.stderr, flush=True)
+
+        results = explain_all(plan, replan, top=args.top, progress=progress)
+        out.json([_explained(r) for r in results])
+        if out.text:
+            render_all(results, plan, out.console)
+        return 0
+    if args.target is None:
+        raise ValueError("give a TARGET (a parameter, a module path or a node), or --all")
+    r = explain(plan, args.target, replan)
+    out.json(_explained(r))
+    if out.text:
+        render_explained(r, plan, out.console)
+    return 0
+
+
+def cmd_report(args) -> int:
+    out = Output(args)
+    plan = _load(args.plan)
+    from .report import write_report  # the report's drawing is not needed elsewhere
+
+    write_report(plan, args.output, trace=args.trace)
+    out.json({"report": args.output, "trace": args.trace})
+    out.print(
+        f"report written to {args.output}" + (f", trace to {args.trace}" if args.trace else "")
+    )
+    return 0
+
+
+def _verify_and_print(args, out: Output) -> int:
+    """Run ``verify`` for ``args`` and print the step-by-step comparison; 0 if it matches."""
     shape = args.mesh
     names = _axes(shape, args.axes)
-    print(
-        f"autopar demo: planning '{args.model}' for mesh {'x'.join(map(str, shape))} "
-        f"{names} and training {args.steps} AdamW steps on local gloo processes "
-        f"({args.dtype}); memory budget per rank {args.memory_fraction:.0%} of what one device "
-        "holds for the step",
-        flush=True,
-    )
+    plan_json = None
+    if getattr(args, "plan", None):
+        plan_json = _load(args.plan).to_json(timings=True)
     reports = verify(
         args.model,
         shape,
         names,
         steps=args.steps,
         dtype=args.dtype,
+        batch=args.batch,
         memory_fraction=args.memory_fraction,
-        progress=True,
+        plan_json=plan_json,
+        progress=out.text,
     )
     r = reports[0]
     plan = Plan.from_json(r.plan_json)
+    tol = 1e-8 if args.dtype == "float64" else 1e-4
+    steps = []
+    for a, b in zip(r.losses, r.ref_losses):
+        steps.append({"loss": a, "single_device_loss": b, "rel": abs(a - b) / max(abs(b), 1e-30)})
+    worst = max((s["rel"] for s in steps), default=0.0)
+    ok = (
+        worst <= tol
+        and r.grad_rel_err <= tol
+        and r.param_rel_err <= tol
+        and all(x.losses == r.losses for x in reports)
+    )
+    out.json(
+        {
+            "model": args.model,
+            "mesh": list(shape),
+            "axes": list(names),
+            "dtype": args.dtype,
+            "tolerance": tol,
+            "steps": steps,
+            "grad_rel_err": r.grad_rel_err,
+            "worst_grad": r.worst_grad,
+            "param_rel_err": r.param_rel_err,
+            "worst_param": r.worst_param,
+            "collectives_planned": {f"{k}@{a}": n for (k, a), n in r.predicted.items()},
+            "collectives_ran": {f"{k}@{a}": n for (k, a), n in r.ran.items()},
+            "ok": ok,
+        }
+    )
+    if not out.text:
+        return 0 if ok else 1
     print(plan.summary())
     print()
     print(f"{'step':>4}  {'autopar loss':>20}  {'single-device loss':>20}  {'rel diff':>9}")
-    worst = 0.0
-    for i, (a, b) in enumerate(zip(r.losses, r.ref_losses)):
-        rel = abs(a - b) / max(abs(b), 1e-30)
-        worst = max(worst, rel)
-        print(f"{i:>4}  {a:>20.12f}  {b:>20.12f}  {rel:>9.1e}")
-    print(f"\nmax relative gradient error (step 0): {r.grad_rel_err:.1e}")
-    print(f"max relative parameter error after {args.steps} steps: {r.param_rel_err:.1e}")
+    for i, s in enumerate(steps):
+        print(f"{i:>4}  {s['loss']:>20.12f}  {s['single_device_loss']:>20.12f}  {s['rel']:>9.1e}")
+    worst_grad = f" ({r.worst_grad})" if r.worst_grad else ""
+    worst_param = f" ({r.worst_param})" if r.worst_param else ""
+    print(f"\nmax relative gradient error (step 0): {r.grad_rel_err:.1e}{worst_grad}")
+    print(
+        f"max relative parameter error after {args.steps} steps: {r.param_rel_err:.1e}{worst_param}"
+    )
     print(f"collectives per step, planned: {r.predicted}")
     print(f"collectives per step, compiled: {r.ran}")
-    tol = 1e-8 if args.dtype == "float64" else 1e-4
-    ok = worst <= tol and r.param_rel_err <= tol
     print(
-        "OK: matches the single-device model" if ok else "MISMATCH against the single-device model"
+        f"OK: matches the single-device model (tolerance {tol:.0e})"
+        if ok
+        else f"MISMATCH against the single-device model (tolerance {tol:.0e})"
     )
+    random_ops = sorted(
+        {c.op for c in plan.nodes.values() if _RANDOM.search(c.op) and "backward" not in c.op}
+    )
+    if not ok and random_ops:
+        print(
+            f"note: the step draws random numbers ({', '.join(random_ops)}): sharded, it "
+            "draws other ones than one device does; verify with dropout off (p=0)"
+        )
     return 0 if ok else 1
 
 
-def cmd_show(args) -> int:
-    render(Plan.load(args.plan), Console(width=args.width, highlight=False))
+def cmd_verify(args) -> int:
+    return _verify_and_print(args, Output(args))
+
+
+def cmd_demo(args) -> int:
+    out = Output(args)
+    if out.text:
+        shape = args.mesh
+        print(
+            f"autopar demo: planning '{args.model}' for mesh {'x'.join(map(str, shape))} "
+            f"{_axes(shape, args.axes)} and training {args.steps} AdamW steps on local gloo "
+            f"processes ({args.dtype}); memory budget per rank {args.memory_fraction:.0%} of "
+            "what one device holds for the step",
+            flush=True,
+        )
+    return _verify_and_print(args, out)
+
+
+def cmd_run(args) -> int:
+    # ``autopar run script.py --nproc 4 -- --lr 1e-3``: run's own options may follow the
+    # script; the script's arguments follow ``--`` (or are any other words after it)
+    rest = list(args.script_args)
+    split = rest.index("--") if "--" in rest else len(rest)
+    mine, script_args = rest[:split], rest[split + 1 :]
+    kept = []
+    while mine:
+        word = mine.pop(0)
+        if word == "--nproc" and mine:
+            args.nproc = _count(mine.pop(0))
+        elif word.startswith("--nproc="):
+            args.nproc = _count(word.split("=", 1)[1])
+        elif word in ("-q", "--quiet"):
+            args.quiet = True
+        elif word == "--json":
+            args.json = True
+        else:
+            kept.append(word)
+    out = Output(args)
+    code = launch(args.script, args.nproc, kept + script_args, quiet=not out.text)
+    out.json({"script": args.script, "nproc": args.nproc, "exit_code": code})
+    return code
+
+
+def launch(script: str, nproc: int, script_args=(), *, quiet: bool = False) -> int:
+    """Run ``script`` on ``nproc`` local processes with torch's elastic launcher (what
+    ``torchrun --standalone --nproc-per-node N`` does: a rendezvous on a free local port,
+    ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` set for each process); the exit
+    status is 0 when every process succeeds, else the first failure's (after one line on
+    stderr naming the rank)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser
+    from torch.distributed.run import run as elastic_run
+
+    if not Path(script).is_file():
+        raise FileNotFoundError(f"{script}: no such file")
+    if nproc < 1:
+        raise ValueError(f"--nproc must be >= 1, got {nproc}")
+    # the launcher sets 1 thread per process (with a warning) unless told: share the cores
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    if quiet:  # the launcher logs a failure itself; the line below says it
+        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    targs = get_args_parser().parse_args(["--standalone", f"--nproc-per-node={nproc}", script])
+    # set after parsing: the launcher's parser would take the script's options for its own
+    targs.training_script_args = list(script_args)
+    try:
+        elastic_run(targs)
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        print(
+            f"autopar run: rank {rank} of {nproc} failed with exit code {failure.exitcode} "
+            "(its output is above)",
+            file=sys.stderr,
+        )
+        return failure.exitcode if failure.exitcode > 0 else 1
     return 0
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"--nproc must be a whole number, got {text!r}") from None
+    return value
 
 
 def _positive(text: str) -> float:
@@ -172,24 +441,51 @@ def _positive(text: str) -> float:
     return value
 
 
+def _model_args(p, *, default_mesh=(2, 2)) -> None:
+    p.add_argument(
+        "--mesh", type=_mesh_shape, default=default_mesh,
+        help="mesh shape, e.g. 8, 2x4 (default " + "x".join(map(str, default_mesh)) + ")",
+    )  # fmt: skip
+    p.add_argument("--axes", default=None, help="axis names, e.g. dp,tp (default dp,tp,...)")
+    p.add_argument("--batch", type=int, default=8, help="global batch size (default 8)")
+
+
+def _run_args(p, *, steps: int) -> None:
+    p.add_argument("--steps", type=int, default=steps, help=f"AdamW steps (default {steps})")
+    p.add_argument(
+        "--dtype",
+        default="float64",
+        choices=["float64", "float32"],
+        help="dtype of the model and the batch (default float64: tight comparison; "
+        "tolerance 1e-8, float32 1e-4)",
+    )
+
+
 def main(argv=None) -> int:
+    common = argparse.ArgumentParser(add_help=False)
+    quiet = common.add_mutually_exclusive_group()
+    quiet.add_argument(
+        "-q", "--quiet", action="store_true", help="print nothing but errors (exit status tells)"
+    )
+    quiet.add_argument(
+        "--json", action="store_true", help="print one JSON document on stdout, nothing else"
+    )
     p = argparse.ArgumentParser(
         prog="autopar",
-        description="Plan a PyTorch training step over a device mesh, and run it.",
+        description="Plan a PyTorch training step over a device mesh, inspect the plan, and "
+        "run it. Each command has --help.",
     )
     p.add_argument("--version", action="version", version=f"autopar {__version__}")
-    sub = p.add_subparsers(dest="cmd", required=True)
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
-    pp = sub.add_parser("plan", help="plan a model for a mesh and print the plan")
+    pp = sub.add_parser("plan", parents=[common], help="plan a model for a mesh; print the plan")
     pp.add_argument(
         "model",
         help=f"a built-in example ({', '.join(EXAMPLES)}) or path/to/file.py:factory, "
         "factory(batch=...) returning (model, example_inputs, loss_fn, example_targets)",
     )
-    pp.add_argument("--mesh", type=_mesh_shape, default=(2, 2), help="e.g. 8, 2x4 (default 2x2)")
-    pp.add_argument("--axes", default=None, help="axis names, e.g. dp,tp")
+    _model_args(pp)
     pp.add_argument("--device", default="h100", help="device profile (default h100)")
-    pp.add_argument("--batch", type=int, default=8, help="global batch size (default 8)")
     pp.add_argument(
         "--memory-budget-mib",
         type=_positive,
@@ -219,33 +515,122 @@ def main(argv=None) -> int:
         help="keep every activation (by default, where the budget binds, the plan may "
         "recompute layers' activations in the backward)",
     )
+    pp.add_argument(
+        "--no-cache",
+        action="store_true",
+        help="plan even if the plan cache holds this plan (it is kept in $AUTOPAR_CACHE_DIR, "
+        "else ~/.cache/autopar)",
+    )
     pp.add_argument("--out", default=None, help="write the plan's JSON here")
     pp.add_argument("-v", "--verbose", action="store_true", help="show warnings")
     pp.set_defaults(fn=cmd_plan)
 
-    ps = sub.add_parser("show", help="print a saved plan as tables")
+    ps = sub.add_parser("show", parents=[common], help="print a saved plan as tables")
     ps.add_argument("plan", help="a plan's JSON (autopar plan --out, Plan.save)")
     ps.add_argument("--width", type=int, default=None, help="columns (default: the terminal's)")
     ps.set_defaults(fn=cmd_show)
 
-    pd = sub.add_parser("demo", help="plan a small GPT and train it on local gloo processes")
+    pf = sub.add_parser(
+        "diff", parents=[common], help="what two saved plans chose differently, and its cost"
+    )
+    pf.add_argument("a", help="a plan's JSON")
+    pf.add_argument("b", help="another plan's JSON")
+    pf.add_argument("--width", type=int, default=None, help="columns (default: the terminal's)")
+    pf.add_argument(
+        "--exit-code",
+        action="store_true",
+        help="exit with status 1 when the plans differ (as diff does)",
+    )
+    pf.set_defaults(fn=cmd_diff)
+
+    pe = sub.add_parser(
+        "explain",
+        parents=[common],
+        help="why the plan chose a placement: the best plan without it, and what binds",
+    )
+    pe.add_argument("plan", help="a plan's JSON (made by autopar plan)")
+    pe.add_argument(
+        "target",
+        nargs="?",
+        default=None,
+        help="a parameter (blocks.0.attn.q.weight), a module path (blocks.0.attn) or a node",
+    )
+    pe.add_argument(
+        "--all",
+        action="store_true",
+        help="every parameter group, the choices whose alternative costs least more first",
+    )
+    pe.add_argument("--top", type=int, default=10, help="with --all: how many (default 10)")
+    pe.add_argument(
+        "--model", default=None, help="the model the plan was made for (default: as recorded)"
+    )
+    pe.add_argument("--batch", type=int, default=None, help="its batch (default: as recorded)")
+    pe.add_argument("--no-cache", action="store_true", help="plan the alternatives even if cached")
+    pe.add_argument("--width", type=int, default=None, help="columns (default: the terminal's)")
+    pe.set_defaults(fn=cmd_explain)
+
+    pr = sub.add_parser(
+        "report", parents=[common], help="write a saved plan as one self-contained HTML report"
+    )
+    pr.add_argument("plan", help="a plan's JSON")
+    pr.add_argument("-o", "--output", default="report.html", help="(default report.html)")
+    pr.add_argument(
+        "--trace",
+        default=None,
+        help="also write the simulated step as Chrome trace events (Perfetto, chrome://tracing)",
+    )
+    pr.set_defaults(fn=cmd_report)
+
+    pv = sub.add_parser(
+        "verify",
+        parents=[common],
+        help="run the parallel step beside the single-device model on local gloo processes",
+    )
+    pv.add_argument("model", help="a built-in example or path/to/file.py:factory (as for plan)")
+    _model_args(pv)
+    _run_args(pv, steps=1)
+    pv.add_argument(
+        "--memory-fraction",
+        type=_positive,
+        default=None,
+        help="plan under a memory budget per rank: this fraction of what one device holds",
+    )
+    pv.add_argument(
+        "--plan",
+        default=None,
+        help="run this saved plan instead of planning (it must be for this model, batch, "
+        "dtype and mesh)",
+    )
+    pv.set_defaults(fn=cmd_verify)
+
+    pn = sub.add_parser(
+        "run",
+        parents=[common],
+        help="run a training script on N local processes (torch's elastic launcher)",
+    )
+    pn.add_argument("--nproc", type=_count, default=2, help="processes (default 2)")
+    pn.add_argument("script", help="a Python script (it calls init_process_group itself)")
+    pn.add_argument(
+        "script_args",
+        nargs=argparse.REMAINDER,
+        help="the script's arguments (after --, or any words that are not run's options)",
+    )
+    pn.set_defaults(fn=cmd_run)
+
+    pd = sub.add_parser(
+        "demo",
+        parents=[common],
+        help="plan a small GPT and train it on local gloo processes, beside one device",
+    )
     pd.add_argument("--model", default="gpt", help="a built-in example (default gpt)")
-    pd.add_argument(
-        "--mesh", type=_mesh_shape, default=(2, 2), help="e.g. 2, 2x2 (default 2x2): 4 processes"
-    )
-    pd.add_argument("--axes", default=None, help="axis names, e.g. dp,tp")
-    pd.add_argument("--steps", type=int, default=3, help="AdamW steps (default 3)")
-    pd.add_argument(
-        "--dtype",
-        default="float64",
-        choices=["float64", "float32"],
-        help="dtype of the model and the batch (default float64: tight comparison)",
-    )
+    _model_args(pd)
+    _run_args(pd, steps=3)
     pd.add_argument(
         "--memory-fraction",
         type=_positive,
         default=0.5,
-        help="memory budget per rank, as a fraction of what one device holds for the step",
+        help="memory budget per rank, as a fraction of what one device holds for the step "
+        "(default 0.5)",
     )
     pd.set_defaults(fn=cmd_demo)
 
@@ -255,8 +640,20 @@ def main(argv=None) -> int:
     except (ValueError, TypeError, KeyError, OSError, RuntimeError, ImportError) as e:
         if getattr(args, "verbose", False):
             raise
-        print(f"autopar {args.cmd}: {e}", file=sys.stderr)
+        print(f"autopar {args.cmd}: {_one_line(e)}", file=sys.stderr)
         return 2
+
+
+def _one_line(e: BaseException) -> str:
+    """An error as one line: a rank's failure (runtime/launch: a header, then the rank's
+    traceback) keeps the header and the traceback's last line."""
+    text = str(e).strip() or type(e).__name__
+    if isinstance(e, KeyError) and text.startswith(("'", '"')):
+        text = text[1:-1]
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    if len(lines) <= 1:
+        return text
+    return f"{lines[0].rstrip(':')}: {lines[-1].strip()}"
 
 
 if __name__ == "__main__":

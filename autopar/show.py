@@ -13,18 +13,23 @@ What it shows, all read from the plan's JSON (nothing is re-planned):
 
 from __future__ import annotations
 
-import re
 from collections import defaultdict
 
 from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from .core.plan import Plan, index_ranges
+from .core.plan import LAYER_INDEX, Plan, name_pattern
 
-__all__ = ["layer_groups", "render"]
+__all__ = [
+    "collective_rows",
+    "layer_groups",
+    "parameter_groups",
+    "purpose",
+    "render",
+    "tables",
+]
 
-_INDEX = re.compile(r"(?<=\.)\d+(?=\.)")
 _MIB = 2**20
 
 
@@ -32,40 +37,87 @@ def layer_groups(plan: Plan) -> list[tuple[str, int, tuple, tuple[str, ...]]]:
     """``(pattern, count, shape, placements per axis)`` per group of parameters, in the
     order of their first member. A pattern writes the layer indices its members differ in as
     ``{0..31}``; a parameter alone keeps its name."""
+    return [(name_pattern(names), len(names), shape, ps) for names, shape, ps in _groups(plan)]
+
+
+def _groups(plan: Plan) -> list[tuple[list[str], tuple, tuple[str, ...]]]:
     shapes = plan.stats.get("param_shapes", {})
-    groups: dict[tuple, list[tuple[str, list[int]]]] = defaultdict(list)
+    groups: dict[tuple, list[str]] = defaultdict(list)
     for name, node in plan.params.items():
         ps = plan.nodes[node].placement()
-        key = (_INDEX.sub("#", name), tuple(shapes.get(name, ())), tuple(ps))
-        groups[key].append((name, [int(i) for i in _INDEX.findall(name)]))
-    rows = []
-    for (pattern, shape, ps), members in groups.items():
-        if len(members) == 1:
-            rows.append((members[0][0], 1, shape, ps))
-            continue
-        positions = list(zip(*(idx for _, idx in members)))
-        parts = [
-            str(vals[0]) if len(set(vals)) == 1 else "{" + index_ranges(list(set(vals))) + "}"
-            for vals in positions
-        ]
-        name = pattern
-        for part in parts:
-            name = name.replace("#", part, 1)
-        rows.append((name, len(members), shape, ps))
-    return rows
+        groups[(LAYER_INDEX.sub("#", name), tuple(shapes.get(name, ())), tuple(ps))].append(name)
+    return [(members, shape, ps) for (_, shape, ps), members in groups.items()]
+
+
+def parameter_groups(plan: Plan) -> list[tuple[str, list[str]]]:
+    """``(pattern, member names)`` per group of ``layer_groups``."""
+    return [(name_pattern(names), names) for names, _, _ in _groups(plan)]
 
 
 def _mib(nbytes: float) -> str:
     return f"{nbytes / _MIB:,.2f}"
 
 
+def collective_rows(plan: Plan) -> list[dict]:
+    """The plan's collectives per step summed by purpose (``gradient reduction`` at the
+    step's outputs, ``reshard`` between operators), kind and mesh axis, sorted."""
+    by: dict[tuple, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
+    for c in plan.collectives:
+        acc = by[(purpose(c), c["kind"], c["axis"])]
+        acc[0] += 1
+        acc[1] += c["nbytes"]
+        acc[2] += c.get("time_s", 0.0)
+    return [
+        {"purpose": p, "kind": k, "axis": a, "count": int(n), "bytes": int(b), "time_s": t}
+        for (p, k, a), (n, b, t) in sorted(by.items())
+    ]
+
+
+def purpose(collective: dict) -> str:
+    """``gradient reduction`` (an edge into the step's outputs) or ``reshard``."""
+    return "gradient reduction" if "->output[" in collective["edge"] else "reshard"
+
+
+def tables(plan: Plan) -> dict:
+    """What ``render`` prints, as plain data (``autopar show --json``)."""
+    step = plan.memory.get("step")
+    memory = None
+    if step:
+        memory = {
+            "peak_bytes": step["peak_bytes"],
+            "peak_node": step["peak_node"],
+            "optimizer": step["optimizer"],
+            "budget_bytes": plan.stats.get("memory_budget"),
+            "at_peak": {c: n for c, n in step["at_peak"].items() if n},
+        }
+    return {
+        "mesh": {"shape": list(plan.mesh.shape), "axes": list(plan.mesh.axis_names)},
+        "fingerprint": plan.fingerprint,
+        "precision": plan.stats.get("mixed_precision", "the model's dtypes"),
+        "versions": dict(plan.versions),
+        "parameters": [
+            {"pattern": pat, "count": n, "shape": list(shape), "placements": list(ps)}
+            for pat, n, shape, ps in layer_groups(plan)
+        ],
+        "memory": memory,
+        "checkpointed": plan.checkpointing_text() if plan.recompute else "",
+        "collectives": collective_rows(plan),
+        "time": {
+            "compute_s": plan.cost.get("compute_s", 0.0),
+            "comm_s": plan.cost.get("comm_s", 0.0),
+            "comm_by_kind_s": dict(plan.cost.get("comm_by_kind_s", {})),
+            "total_s": plan.cost.get("total_s", 0.0),
+        },
+    }
+
+
 def render(plan: Plan, console: Console) -> None:
     """Print ``plan``'s tables (module docstring) on ``console``."""
+    t = tables(plan)
     axes = plan.mesh.axis_names
-    precision = plan.stats.get("mixed_precision", "the model's dtypes")
     console.print(
         f"[bold]autopar plan[/bold] for {plan.mesh} (graph {plan.fingerprint}); "
-        f"precision: {precision}; made by autopar {plan.versions.get('autopar', '?')}, "
+        f"precision: {t['precision']}; made by autopar {plan.versions.get('autopar', '?')}, "
         f"torch {plan.versions.get('torch', '?')}"
     )
 
@@ -75,16 +127,17 @@ def render(plan: Plan, console: Console) -> None:
     params.add_column("shape")
     for a in axes:
         params.add_column(a)
-    for pattern, count, shape, ps in layer_groups(plan):
-        params.add_row(pattern, str(count), "x".join(map(str, shape)) or "-", *ps)
+    for row in t["parameters"]:
+        shape = "x".join(map(str, row["shape"])) or "-"
+        params.add_row(row["pattern"], str(row["count"]), shape, *row["placements"])
     console.print(params)
 
-    step = plan.memory.get("step")
-    budget = plan.stats.get("memory_budget")
-    if step:
+    memory = t["memory"]
+    if memory:
+        budget = memory["budget_bytes"]
         mem = Table(
-            title=f"step memory per rank at its peak (after {step['peak_node']}; "
-            f"{step['optimizer']} state)",
+            title=f"step memory per rank at its peak (after {memory['peak_node']}; "
+            f"{memory['optimizer']} state)",
             box=box.SIMPLE_HEAD,
         )
         mem.add_column("category")
@@ -92,10 +145,8 @@ def render(plan: Plan, console: Console) -> None:
         mem.add_column("of the peak", justify="right")
         if budget:
             mem.add_column("of the budget", justify="right")
-        peak = step["peak_bytes"]
-        for cat, nbytes in step["at_peak"].items():
-            if not nbytes:
-                continue
+        peak = memory["peak_bytes"]
+        for cat, nbytes in memory["at_peak"].items():
             row = [cat.replace("_", " "), _mib(nbytes), f"{nbytes / peak:.1%}"]
             if budget:
                 row.append(f"{nbytes / budget:.1%}")
@@ -110,7 +161,7 @@ def render(plan: Plan, console: Console) -> None:
     if plan.recompute:
         console.print(
             f"activation checkpointing: {len(plan.recompute)} layers recompute their "
-            f"activations in the backward: {plan.checkpointing_text()}"
+            f"activations in the backward: {t['checkpointed']}"
         )
 
     colls = Table(title="collectives per step", box=box.SIMPLE_HEAD)
@@ -118,36 +169,29 @@ def render(plan: Plan, console: Console) -> None:
         (c, "right") for c in ("count", "MiB", "ms")
     ]:
         colls.add_column(name, justify=justify)  # type: ignore[arg-type]
-    by: dict[tuple, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
-    for c in plan.collectives:
-        purpose = "gradient reduction" if "->output[" in c["edge"] else "reshard"
-        acc = by[(purpose, c["kind"], c["axis"])]
-        acc[0] += 1
-        acc[1] += c["nbytes"]
-        acc[2] += c.get("time_s", 0.0)
-    for (purpose, kind, axis), (n, nbytes, t) in sorted(by.items()):
-        colls.add_row(purpose, kind, axis, str(n), _mib(nbytes), f"{t * 1e3:.4f}")
-    if not by:
+    for c in t["collectives"]:
+        colls.add_row(
+            c["purpose"], c["kind"], c["axis"], str(c["count"]), _mib(c["bytes"]),
+            f"{c['time_s'] * 1e3:.4f}",
+        )  # fmt: skip
+    if not t["collectives"]:
         colls.add_row("none", "", "", "0", "0", "0")
     console.print(colls)
 
-    cost = plan.cost
-    total = cost.get("total_s", 0.0)
+    time = t["time"]
+    total_s = time["total_s"]
     times = Table(title="estimated step time", box=box.SIMPLE_HEAD)
     times.add_column("part")
     times.add_column("ms", justify="right")
     times.add_column("of the step", justify="right")
 
-    def share(t: float) -> str:
-        return f"{t / total:.1%}" if total > 0 else "-"
+    def share(s: float) -> str:
+        return f"{s / total_s:.1%}" if total_s > 0 else "-"
 
-    for part, t in (
-        ("compute", cost.get("compute_s", 0.0)),
-        ("communication", cost.get("comm_s", 0.0)),
-    ):
-        times.add_row(part, f"{t * 1e3:.4f}", share(t))
-    for kind, t in cost.get("comm_by_kind_s", {}).items():
+    for part, s in (("compute", time["compute_s"]), ("communication", time["comm_s"])):
+        times.add_row(part, f"{s * 1e3:.4f}", share(s))
+    for kind, s in time["comm_by_kind_s"].items():
         # NOTE: per kind before the overlap discount of gradient reductions (passes/solve)
-        times.add_row(f"  {kind.replace('_', ' ')} (not overlapped)", f"{t * 1e3:.4f}", "")
-    times.add_row("[bold]total[/bold]", f"{total * 1e3:.4f}", share(total))
+        times.add_row(f"  {kind.replace('_', ' ')} (not overlapped)", f"{s * 1e3:.4f}", "")
+    times.add_row("[bold]total[/bold]", f"{total_s * 1e3:.4f}", share(total_s))
     console.print(times)

@@ -211,9 +211,13 @@ def run_measured(gm: torch.fx.GraphModule, step, model, inputs, targets):
     return out, seen.peak
 
 
-def log_stages() -> None:
-    """Send the ``autopar`` logger's stage lines to stderr, as they happen."""
+def log_stages(enabled: bool = True) -> None:
+    """Send the ``autopar`` logger's stage lines to stderr, as they happen (``enabled``),
+    or keep them to warnings (``--quiet``, ``--json``)."""
     log = logging.getLogger("autopar")
+    if not enabled:
+        log.setLevel(logging.WARNING)
+        return
     if not any(isinstance(h, _Stderr) for h in log.handlers):
         handler = _Stderr()
         handler.setFormatter(logging.Formatter("  %(message)s"))
@@ -332,8 +336,7 @@ def verify(example: str, mesh_shape, axis_names, **kwargs) -> list[VerifyReport]
 
 def _plan_json(example, mesh_shape, axis_names, **kwargs) -> str:
     """The plan ``verify_rank`` would make on each rank, made in this process."""
-    if kwargs.get("progress"):
-        log_stages()
+    log_stages(bool(kwargs.get("progress")))
     dtype = getattr(torch, kwargs.get("dtype", "float64"))
     torch.manual_seed(0)
     model, inputs, loss_fn, targets = build_example(example, batch=kwargs.get("batch", 8))

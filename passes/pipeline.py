@@ -84,6 +84,10 @@ class PlanOptions:
     checkpointing: bool = True
     """The solver may recompute layers' activations where the budget binds (passes/remat)."""
 
+    forbid: tuple[tuple[tuple[str, str], ...], ...] = ()
+    """Choices the plan may not make: each a tuple of ``(node, placements text)``, not all
+    of which the plan may keep (passes/solve ``forbid``; ``autopar explain``)."""
+
     def __post_init__(self):
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer {self.optimizer!r}: one of {sorted(OPTIMIZERS)}")
@@ -214,6 +218,7 @@ def _solve(state: dict) -> Solution:
         memory_fraction=options.memory_fraction,
         optimizer=options.optimizer,
         checkpointing=options.checkpointing,
+        forbid=options.forbid,
     )
 
 

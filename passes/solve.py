@@ -26,6 +26,10 @@ The ILP (Alpa's intra-operator formulation):
                                (``memory_cut``; "Memory")
         r[g] in {0,1}           fold group g's layers recompute their activations in the
                                backward ("Checkpointing")
+        sum_{(v,k) in F} x[v,k] <= |F| - 1
+                               for each forbidden choice F (``forbid``: a set of nodes each
+                               with the strategies of one output placement; not all of them
+                               may keep it: ``autopar explain``)
     objective (seconds)                                                 (``objective``)
         min  sum_{v,k} C[v,k] x[v,k]  +  sum_{edges} R(p, q) e[u,p,v,q]  +  sum_g t[g]
 
@@ -152,6 +156,7 @@ import os
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -168,6 +173,7 @@ from autopar.core import (
     StrategySpace,
     TensorInput,
     local_shape,
+    placement_str,
     roles,
 )
 from autopar.cost_models import (
@@ -782,6 +788,31 @@ def build_ilp(
     return ilp
 
 
+def forbid_choice(ilp: IlpBuilder, choice: Sequence[tuple[str, str]]) -> None:
+    """Not all of ``choice``'s nodes keep their placement (``solve``'s ``forbid``).
+
+    A node's placement is the text of its first output's placements (``"S(0),R"``); the
+    nodes of one fold group share their variables, so each group counts once."""
+    space, rep = ilp.space, ilp.folding.rep
+    terms: dict[str, list] = {}
+    for node, text in choice:
+        if node not in space.strategies:
+            raise ValueError(f"forbid: no node {node!r} in the step graph")
+        r = rep(node)
+        if r in terms:
+            continue
+        ks = [
+            k
+            for k, st in enumerate(space.strategies[r])
+            if st.out and st.out[0] is not None
+            and ",".join(placement_str(p) for p in st.out[0]) == text
+        ]  # fmt: skip
+        if not ks:
+            raise ValueError(f"forbid: node {node!r} has no strategy placing its output {text}")
+        terms[r] = [v for k in ks for v in ilp.x[r][k]]
+    ilp.lp.Add(sum(v for vs in terms.values() for v in vs) <= len(terms) - 1)
+
+
 def _run(ilp: IlpBuilder, time_limit_s: float, mip_gap: float) -> int:
     ilp.lp.SetTimeLimit(int(time_limit_s * 1000))
     params = pywraplp.MPSolverParameters()
@@ -1013,6 +1044,7 @@ def solve(
     merge: bool = True,
     mip_gap: float = MIP_GAP,
     checkpointing: bool = True,
+    forbid: Sequence[Sequence[tuple[str, str]]] = (),
 ) -> Solution:
     """Solve the ILP of the module docstring for ``space``.
 
@@ -1030,6 +1062,9 @@ def solve(
     ``mip_gap``: stop once the incumbent is within this fraction of the best bound.
     ``checkpointing``: the solver may recompute layers' activations in the backward where
     the budget binds ("Checkpointing"); False keeps every activation.
+    ``forbid``: choices the plan may not make, each a sequence of ``(node, placements)``
+    (the node's first output placement as text per mesh axis, ``"S(0),R"``): the plan
+    changes at least one of them (``forbid_choice``).
     """
     solver = solver or os.environ.get("AUTOPAR_SOLVER", "HIGHS")
     options = dict(merge=merge, reshard_axes=reshard_axes, grad_overlap=grad_overlap)
@@ -1052,6 +1087,8 @@ def solve(
     else:
         budget = None if memory_budget is None else float(memory_budget)
     ilp = build_ilp(space, profile, solver=solver, optimizer=optimizer, **options)
+    for choice in forbid:
+        forbid_choice(ilp, choice)
     t0 = time.perf_counter()
     if budget is None:
         status = _run(ilp, time_limit_s, mip_gap)

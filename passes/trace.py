@@ -59,7 +59,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+import io
 import math
+import re
+import sys
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -168,9 +171,9 @@ class StepGraph:
         h = hashlib.sha256()
         for n in self.gm.graph.nodes:
             v = n.meta.get("val")
-            shape = tuple(v.shape) if isinstance(v, torch.Tensor) else None
+            tensor = (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else None
             args = [a.name if isinstance(a, torch.fx.Node) else repr(a) for a in n.args]
-            h.update(f"{n.op}|{n.name}|{n.target}|{shape}|{args}\n".encode())
+            h.update(f"{n.op}|{n.name}|{n.target}|{tensor}|{args}\n".encode())
         return h.hexdigest()[:16]
 
 
@@ -254,6 +257,30 @@ def _module_path(node: torch.fx.Node) -> str:
     if path == "model":
         return ""
     return _strip(path)
+
+
+@contextlib.contextmanager
+def _without_partial_graph():
+    """Keep torch.export from printing its partial graph when it fails.
+
+    NOTE: on a failure torch.export prints the exception's ``partial_fx_graph`` (dozens
+    of lines of generated code) to ``sys.stderr`` before raising, ahead of the one line that
+    says what went wrong (TraceError). What export writes to ``sys.stderr`` is held here and
+    passed on, less that graph; a warning shown meanwhile passes on unchanged.
+    """
+    held = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(held):
+            yield
+    except Exception as e:
+        text = held.getvalue()
+        graph = getattr(e, "partial_fx_graph", None)
+        if graph is not None:
+            text = text.replace(str(graph), "").strip("\n")
+        if text:
+            sys.stderr.write(text + "\n")
+        raise
+    sys.stderr.write(held.getvalue())
 
 
 def _failing_module(model: nn.Module, exc: BaseException) -> str:
@@ -386,13 +413,19 @@ def trace_step(
     t0 = time.perf_counter()
     attention = _TargetAttention()
     try:
-        with attention, cast_parameters(model, mp_policy):
+        with attention, cast_parameters(model, mp_policy), _without_partial_graph():
             ep = torch.export.export(step, args, strict=False)
     except Exception as e:  # noqa: BLE001 - rewrap with the module that failed
         where = _failing_module(model, e)
         where_txt = f" in module '{where}'" if where else ""
+        call = re.search(
+            r'The following call raised this error:\s*File "([^"]+)", line (\d+), in \S+\s*\n'
+            r"\s*(.*)",
+            str(e),
+        )
+        at = f" at {call[1]}:{call[2]} ({call[3].strip()})" if call else ""
         raise TraceError(
-            f"torch.export could not trace {type(model).__name__}{where_txt}: "
+            f"torch.export could not trace {type(model).__name__}{where_txt}{at}: "
             f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}\n"
             "autopar needs a model torch.export can trace (no data-dependent Python control "
             "flow, no unsupported ops); see the torch.export docs for the usual rewrites."

@@ -10,3 +10,10 @@ def _quiet_hf():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
         yield
+
+
+@pytest.fixture(autouse=True)
+def _own_plan_cache(tmp_path_factory, monkeypatch):
+    # the CLI caches plans (autopar/plan_cache.py): each test starts with an empty cache of
+    # its own, not the user's
+    monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path_factory.mktemp("plan-cache")))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,7 +27,15 @@ from .roles import op_name
 from .space import Recompute, Solution, StrategySpace
 from .version import __version__
 
-__all__ = ["Plan", "NodeChoice", "PLAN_FORMAT", "STATS_ORDER", "index_ranges"]
+__all__ = [
+    "LAYER_INDEX",
+    "NodeChoice",
+    "PLAN_FORMAT",
+    "Plan",
+    "STATS_ORDER",
+    "index_ranges",
+    "name_pattern",
+]
 
 PLAN_FORMAT = 1
 
@@ -49,6 +58,22 @@ STATS_ORDER = (
 """The order of ``Plan.stats`` keys in the JSON (the rest follow in the order given)."""
 
 
+LAYER_INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)")
+"""A layer index in a dotted name: ``blocks.3.attn`` -> ``3``."""
+
+
+def name_pattern(names: list[str]) -> str:
+    """One name for ``names`` that differ only in their layer indices:
+    ``[blocks.0.q, blocks.1.q]`` -> ``blocks.{0..1}.q``."""
+    if len(names) == 1:
+        return names[0]
+    out = LAYER_INDEX.sub("#", names[0])
+    for vals in zip(*([int(i) for i in LAYER_INDEX.findall(n)] for n in names)):
+        part = str(vals[0]) if len(set(vals)) == 1 else "{" + index_ranges(list(set(vals))) + "}"
+        out = out.replace("#", part, 1)
+    return out
+
+
 def index_ranges(indices: list[int]) -> str:
     """``[0, 1, 2, 5]`` -> ``0..2,5``."""
     out, start, prev = [], None, None
@@ -62,6 +87,21 @@ def index_ranges(indices: list[int]) -> str:
         out.append(str(start) if start == prev else f"{start}..{prev}")
         start = prev = i
     return ",".join(out)
+
+
+_EDGE = re.compile(r"^(\S+)->(\S+)(?: \(as (\S+)\))?")
+
+
+def _collective_site(label: str, modules: dict[str, str], param_of: dict[str, str]) -> dict:
+    """Where a collective runs, in the model's terms: ``module``, the module path of the
+    node it feeds (a reshard), or ``param``, the parameter whose gradient it reduces."""
+    m = _EDGE.match(label)
+    if m is None:
+        return {}
+    dst, like = m[2], m[3]
+    if dst.startswith("output["):
+        return {"param": param_of[like]} if like in param_of else {"module": "(step output)"}
+    return {"module": modules.get(dst, "")}
 
 
 @dataclass(frozen=True)
@@ -128,8 +168,10 @@ class Plan:
         outputs: per graph output (loss or model outputs, then gradients), the placement
             it leaves the step with (None for a non-tensor output).
         fallback_nodes: nodes replicated because their op has no sharding rule.
-        collectives: the collectives one step runs, predicted: dicts with ``edge``,
-            ``kind``, ``axis`` (name), ``nbytes``, ``group_size``.
+        collectives: the collectives one step runs, predicted: dicts with ``edge`` (the
+            graph edge: ``producer->consumer`` node names), ``module`` (the module path of
+            the consumer) or ``param`` (a gradient reduction: the parameter's name),
+            ``kind``, ``axis`` (name), ``nbytes``, ``group_size`` and ``time_s``.
         cost: ``compute_s``, ``comm_s``, ``total_s`` and ``comm_by_kind_s``.
         memory: ``param_bytes_per_rank`` and ``param_bytes_total``; ``step``: the step
             memory per rank (passes/memory: ``peak_bytes``, ``peak_node``, ``at_peak`` by
@@ -208,11 +250,13 @@ class Plan:
             per_rank += nbytes // shards
         by_kind: dict[str, float] = {}
         collectives = []
+        param_of = {node: name for name, node in space.params.items()}
         for label, c, t in solution.collectives:
             by_kind[c.kind] = by_kind.get(c.kind, 0.0) + t
             collectives.append(
                 {
                     "edge": label,
+                    **_collective_site(label, space.modules, param_of),
                     "kind": c.kind,
                     "axis": mesh.axis_names[c.axis],
                     "nbytes": int(c.nbytes),
@@ -377,6 +421,11 @@ class Plan:
                 f"(fold {st.get('fold_s', 0):.2f}, strategies {st.get('strategies_s', 0):.2f}, "
                 f"solve {st.get('solve_s', 0):.2f}: costs {st.get('cost_s', 0):.2f}, "
                 f"ILP build {st.get('build_s', 0):.2f}, ILP solve {st.get('ilp_s', 0):.2f})"
+            )
+        if "cache_s" in st:
+            lines.append(
+                f"read from the plan cache in {st['cache_s']:.3f} s (the times above are "
+                "those of the run that made it)"
             )
         for w in self.warnings:
             lines.append(f"warning: {w}")

@@ -158,3 +158,144 @@ def test_layer_patterns_keep_apart_layers_placed_differently():
     assert "blocks.{0..1}.attn.k.weight" in names
     assert index_ranges([0, 1, 2, 5, 7, 8]) == "0..2,5,7..8"
     assert index_ranges([3]) == "3"
+
+
+def _golden(tmp_path, name: str):
+    import gzip
+    from pathlib import Path
+
+    golden = Path(__file__).resolve().parent.parent / "golden" / f"{name}.json.gz"
+    path = tmp_path / f"{name}.json"
+    path.write_bytes(gzip.decompress(golden.read_bytes()))
+    return path
+
+
+def test_diff_names_the_choices_that_differ_and_their_cost(capsys, tmp_path):
+    import json
+
+    from autopar import Plan
+    from autopar.diff import diff_plans
+
+    a_path = _golden(tmp_path, "gpt-2x2-h100")
+    b_path = _golden(tmp_path, "gpt-2x2-cpu-mem0.5")
+    a, b = Plan.load(a_path), Plan.load(b_path)
+    d = diff_plans(a, b)
+    assert d["same_graph"] and not d["identical"]
+    # every parameter placed differently is in exactly one row, with both placements
+    differing = {
+        n for n, node in a.params.items() if a.placements_of(node) != b.placements_of(node)
+    }
+    assert differing and sum(r["count"] for r in d["parameters"]) == len(differing)
+    name = sorted(differing)[0]
+    row = next(
+        r
+        for r in d["parameters"]
+        if r["a"] == list(a.nodes[a.params[name]].placement())
+        and r["b"] == list(b.nodes[b.params[name]].placement())
+    )
+    assert row["count"] >= 1
+    # the time and memory deltas are the plans' own numbers
+    total = next(r for r in d["time_s"] if r["part"] == "total")
+    assert total["a"] == a.cost["total_s"] and total["b"] == b.cost["total_s"]
+    assert total["delta"] == b.cost["total_s"] - a.cost["total_s"]
+    peak = next(r for r in d["memory_bytes"] if r["part"] == "peak")
+    assert peak["b"] == b.memory["step"]["peak_bytes"]
+    assert sum(r["count_b"] for r in d["collectives"]) == len(b.collectives)
+    changed = sum(
+        1
+        for n, c in a.nodes.items()
+        if c.op != "placeholder" and (c.out, c.ins) != (b.nodes[n].out, b.nodes[n].ins)
+    )
+    assert d["nodes_changed"] == changed > 0
+
+    assert main(["diff", str(a_path), str(b_path), "--width", "200"]) == 0
+    out = capsys.readouterr().out
+    assert "parameters placed differently" in out and "estimated step time" in out
+    assert f"{total['delta'] * 1e3:+,.4f}" in out
+    assert main(["diff", str(a_path), str(b_path), "--exit-code", "-q"]) == 1
+    assert capsys.readouterr().out == ""
+    assert main(["diff", str(a_path), str(a_path), "--exit-code"]) == 0
+    assert "the plans make the same choices" in capsys.readouterr().out
+    assert main(["diff", str(a_path), str(b_path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(d))
+
+
+def test_diff_of_plans_for_other_models_compares_parameters_by_name(capsys, tmp_path):
+    a_path = _golden(tmp_path, "mlp-2-h100")
+    b_path = _golden(tmp_path, "gpt-2-h100")
+    assert main(["diff", str(a_path), str(b_path), "--width", "200"]) == 0
+    out = capsys.readouterr().out
+    assert "different step graphs" in out and "parameters only in a: " in out
+
+
+def test_every_command_takes_quiet_and_json(capsys, tmp_path):
+    import json
+
+    from autopar import Plan
+
+    path = _golden(tmp_path, "gpt-2x2-cpu-mem0.5")
+    assert main(["show", str(path), "-q"]) == 0
+    assert capsys.readouterr() == ("", "")
+    assert main(["show", str(path), "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert sum(r["count"] for r in shown["parameters"]) == len(Plan.load(path).params)
+    assert main(["plan", "mlp", "--mesh", "2", "-q", "--out", str(tmp_path / "p.json")]) == 0
+    assert capsys.readouterr() == ("", "")  # not even the stage lines
+    assert Plan.load(tmp_path / "p.json").mesh.shape == (2,)
+    assert main(["plan", "mlp", "--mesh", "2", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert Plan.from_json(captured.out).mesh.shape == (2,)  # the plan itself
+    assert "autopar: trace" not in captured.err
+    with pytest.raises(SystemExit):
+        main(["show", str(path), "-q", "--json"])  # one or the other
+    capsys.readouterr()
+
+
+def test_bad_plan_files_are_one_line_errors(capsys, tmp_path):
+    corrupt = tmp_path / "corrupt.json"
+    corrupt.write_text("{not json")
+    good = _golden(tmp_path, "mlp-2-h100")
+    cases = [
+        (["show", str(tmp_path / "missing.json")], "missing.json: no such file"),
+        (["show", str(corrupt)], "corrupt.json does not hold an autopar plan"),
+        (["diff", str(good), str(corrupt)], "corrupt.json does not hold an autopar plan"),
+        (["diff", str(good), str(tmp_path / "nope.json")], "nope.json: no such file"),
+        (["report", str(corrupt), "-o", str(tmp_path / "r.html")], "corrupt.json"),
+        (["run", str(tmp_path / "no_script.py")], "no_script.py: no such file"),
+        (["run", str(good), "--nproc", "two"], "--nproc must be a whole number"),
+    ]
+    for args, message in cases:
+        assert main(args) == 2, args
+        err = capsys.readouterr().err
+        assert message in err, err
+        assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_a_data_dependent_branch_is_one_line_naming_the_users_code(capsys, tmp_path):
+    src = tmp_path / "branchy.py"
+    src.write_text(
+        textwrap.dedent("""
+        import torch
+        from torch import nn
+
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = nn.Linear(8, 8)
+
+            def forward(self, x):
+                y = self.lin(x)
+                if y.sum() > 0:
+                    y = y * 2
+                return y
+
+        def factory(batch=8):
+            x, y = torch.randn(batch, 8), torch.randn(batch, 8)
+            return M(), (x,), nn.functional.mse_loss, (y,)
+    """)
+    )
+    assert main(["plan", f"{src}:factory", "--mesh", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "def forward" not in err  # torch.export's partial graph is not printed
+    (line,) = [ln for ln in err.splitlines() if ln.startswith("autopar plan:")]
+    assert f"could not trace M at {src}:12 (if y.sum() > 0:)" in line
