@@ -37,7 +37,7 @@ from .diff import diff_plans, render_diff
 from .explain import explain, explain_all, render_all, render_explained, source_of
 from .models import EXAMPLES
 from .show import render, tables
-from .verify import build_example, log_stages, verify
+from .verify import build_example, log_stages, stage_progress, verify
 
 __all__ = ["launch", "main", "plan_example"]
 
@@ -141,22 +141,22 @@ class Output:
 
 def cmd_plan(args) -> int:
     out = Output(args)
-    log_stages(out.text)  # a line per pipeline stage as it ends: a long plan is not silent
     shape = args.mesh
     mesh = Mesh(shape, _axes(shape, args.axes), device=args.device)
     budget = None if args.memory_budget_mib is None else args.memory_budget_mib * 2**20
-    plan = plan_example(
-        args.model,
-        mesh,
-        batch=args.batch,
-        memory_budget=budget,
-        memory_fraction=args.memory_fraction,
-        verbose=args.verbose,
-        mp_policy=_PRECISIONS[args.precision],
-        fold=not args.no_fold,
-        checkpointing=not args.no_checkpointing,
-        cache=not args.no_cache,
-    )
+    with stage_progress(out.text):  # a long plan is not silent
+        plan = plan_example(
+            args.model,
+            mesh,
+            batch=args.batch,
+            memory_budget=budget,
+            memory_fraction=args.memory_fraction,
+            verbose=args.verbose,
+            mp_policy=_PRECISIONS[args.precision],
+            fold=not args.no_fold,
+            checkpointing=not args.no_checkpointing,
+            cache=not args.no_cache,
+        )
     # how to rebuild the step (autopar explain)
     plan.stats["source"] = {
         "model": args.model,

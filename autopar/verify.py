@@ -9,6 +9,7 @@ losses, the largest relative gradient error and the largest relative parameter e
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.util
 import logging
@@ -21,6 +22,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -38,6 +41,7 @@ __all__ = [
     "VerifyReport",
     "build_example",
     "log_stages",
+    "stage_progress",
     "resolve_example",
     "verify",
     "verify_rank",
@@ -185,11 +189,65 @@ class LiveStorages(TorchDispatchMode):
 
 
 class _Stderr(logging.StreamHandler):
-    """Writes to ``sys.stderr`` as it is when a record comes (not when made)."""
+    """Writes to ``sys.stderr`` as it is when a record comes (not when made); a stage's
+    start (passes/pipeline) is left to ``stage_progress``'s live line."""
 
     def emit(self, record):
+        if getattr(record, "stage_start", None):
+            return
         self.stream = sys.stderr
         super().emit(record)
+
+
+class _ProgressHandler(logging.Handler):
+    """Shows the ``autopar`` logger's records on a rich ``Progress``: a stage's start and
+    the solver's rounds on its live line, every other record printed above it."""
+
+    def __init__(self, progress: Progress, task):
+        super().__init__(logging.INFO)
+        self.progress, self.task = progress, task
+        self.stage = ""
+
+    def emit(self, record):
+        msg = record.getMessage()
+        stage = getattr(record, "stage_start", None)
+        if stage:
+            self.stage = stage
+            self.progress.reset(self.task, description=f"autopar: {stage} ...")
+            return
+        if msg.startswith("autopar: solve round"):
+            self.progress.update(self.task, description=msg)
+        self.progress.console.print(f"  {msg}", highlight=False, markup=False)
+
+
+@contextlib.contextmanager
+def stage_progress(enabled: bool = True, console: Console | None = None):
+    """Progress while planning, on stderr: on a terminal, a live line (rich) with the
+    running stage, its elapsed time and the solver's last round (its cost, best bound and
+    peak memory against the budget), the lines of finished stages printed above it; else
+    those lines only (``log_stages``). ``enabled=False`` shows nothing."""
+    console = console or Console(stderr=True)
+    if not enabled or not console.is_terminal:
+        log_stages(enabled)
+        yield
+        return
+    log = logging.getLogger("autopar")
+    plain = [h for h in log.handlers if isinstance(h, _Stderr)]
+    for h in plain:
+        log.removeHandler(h)
+    level = log.level
+    log.setLevel(logging.INFO)
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as progress:
+        handler = _ProgressHandler(progress, progress.add_task("autopar: starting", total=None))
+        log.addHandler(handler)
+        try:
+            yield
+        finally:
+            log.removeHandler(handler)
+            log.setLevel(level)
+            for h in plain:
+                log.addHandler(h)
 
 
 def run_measured(gm: torch.fx.GraphModule, step, model, inputs, targets):

@@ -142,6 +142,7 @@ def run_stages(
             log.info("autopar: %-10s skipped", stage.name)
             continue
         t0 = time.perf_counter()
+        log.info("autopar: %s ...", stage.name, extra={"stage_start": stage.name})
         out = stage.run(state)
         seconds = time.perf_counter() - t0
         state[stage.name] = out

@@ -151,6 +151,7 @@ any cost that matters (at most ~2 us over the 18k nodes of a 96-layer GPT).
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import sys
@@ -205,6 +206,8 @@ class SolveError(RuntimeError):
 
 GRAD_OVERLAP = 0.75  # share of gradient-reduction time hidden behind backward compute
 MIP_GAP = 1e-3  # stop within 0.1% of the optimum
+log = logging.getLogger("autopar")
+
 _SCALE = 1e6  # seconds -> microseconds inside the ILP, to keep coefficients well scaled
 TIE_BREAK_US = 1e-4  # preference for earlier strategies, microseconds per node
 _MIB = 2**20  # bytes -> MiB in the smallest-budget ILP's objective
@@ -962,12 +965,25 @@ def _bounded(
     plan's memory (None if the solver found no plan)."""
     deadline = time.perf_counter() + time_limit_s
     report = None
-    for _ in range(MAX_ROUNDS):
+    for round_ in range(MAX_ROUNDS):
         status = _run(ilp, max(deadline - time.perf_counter(), 1.0), mip_gap)
         if not _solved(status):
             return status, None
         report = ilp.evaluate(lv)
         points = _new_cuts(ilp, report, budget)
+        objective = ilp.lp.Objective()
+        log.info(
+            "autopar: solve round %d: %.4f ms (bound %.4f ms), peak %.2f of %.2f MiB "
+            "per rank%s; %d variables, %d constraints",
+            round_ + 1,
+            objective.Value() / _SCALE * 1e3,
+            objective.BestBound() / _SCALE * 1e3,
+            report.peak_bytes / _MIB,
+            budget / _MIB,
+            f": bounding {len(points)} more points" if points else ": fits",
+            ilp.lp.NumVariables(),
+            ilp.lp.NumConstraints(),
+        )
         if not points:
             return status, report
         for i in points:

@@ -456,7 +456,9 @@ class Plan:
         }
 
     def to_json(self, *, timings: bool = False) -> str:
-        return json.dumps(self.to_dict(timings=timings), indent=1, sort_keys=False)
+        """The plan as JSON text: one line per node, per collective and per parameter,
+        so that a plan reads (and diffs) line by line (``_lines``)."""
+        return "\n".join(_lines(self.to_dict(timings=timings), 0)) + "\n"
 
     @classmethod
     def from_dict(cls, d: dict) -> Plan:
@@ -499,3 +501,40 @@ class Plan:
             raise ValueError(
                 f"{path} does not hold an autopar plan ({type(e).__name__}: {e})"
             ) from None
+
+
+_WIDTH = 120
+
+
+def _one_line(obj, flat: str, depth: int) -> bool:
+    """Whether ``_lines`` keeps ``obj`` on one line: a scalar; a list of scalars (a memory
+    timeline); a record (a dict of at most 10 keys, none holding a dict: a node's choice,
+    a collective); anything that fits in ``_WIDTH`` columns."""
+    if not isinstance(obj, (dict, list)) or len(flat) + depth <= _WIDTH:
+        return True
+    if isinstance(obj, list):
+        return all(not isinstance(v, (dict, list)) for v in obj)
+    return len(obj) <= 10 and not any(isinstance(v, dict) for v in obj.values())
+
+
+def _lines(obj, depth: int) -> list[str]:
+    """``obj`` as indented JSON lines (``_one_line`` says which values stay whole)."""
+    flat = json.dumps(obj)
+    if _one_line(obj, flat, depth):
+        return [flat]
+    pad = " " * (depth + 1)
+    if isinstance(obj, dict):
+        items = [(json.dumps(k) + ": ", v) for k, v in obj.items()]
+        opening, closing = "{", "}"
+    else:
+        items = [("", v) for v in obj]
+        opening, closing = "[", "]"
+    out = [opening]
+    for i, (head, v) in enumerate(items):
+        inner = _lines(v, depth + 1)
+        inner[0] = pad + head + inner[0]
+        if i < len(items) - 1:
+            inner[-1] += ","
+        out.extend(inner)
+    out.append(" " * depth + closing)
+    return out

@@ -299,3 +299,26 @@ def test_a_data_dependent_branch_is_one_line_naming_the_users_code(capsys, tmp_p
     assert "def forward" not in err  # torch.export's partial graph is not printed
     (line,) = [ln for ln in err.splitlines() if ln.startswith("autopar plan:")]
     assert f"could not trace M at {src}:12 (if y.sum() > 0:)" in line
+
+
+def test_progress_on_a_terminal_shows_stages_and_solver_rounds():
+    import io
+
+    from rich.console import Console
+
+    from autopar import Mesh
+    from autopar.cli import plan_example
+    from autopar.verify import stage_progress
+
+    buf = io.StringIO()
+    console = Console(file=buf, force_terminal=True, width=200)
+    with stage_progress(True, console=console):
+        plan_example("mlp", Mesh((2,), ("dp",)), memory_fraction=0.6)
+    text = buf.getvalue()
+    # the live line names the running stage; finished stages and solver rounds print above
+    for stage in ("trace", "strategies", "solve"):
+        assert f"autopar: {stage} ..." in text and f"autopar: {stage} " in text
+    assert "autopar: solve round 1: " in text and "MiB per rank" in text
+    with stage_progress(False, console=console):  # --quiet: nothing
+        plan_example("mlp", Mesh((2,), ("dp",)))
+    assert buf.getvalue() == text

@@ -31,6 +31,25 @@ def test_plan_json_round_trips_exactly():
     assert Plan.from_json(plan.to_json()).to_json() == plan.to_json()
 
 
+def test_plan_json_reads_line_by_line():
+    import json
+
+    plan = _gpt_plan(Mesh((2,), ("dp",)), memory_fraction=0.6)  # sharded: collectives
+    text = plan.to_json()
+    lines = [line.rstrip(",") for line in text.splitlines()]
+    # one line per node choice, per collective and per parameter: a short file
+    for name, choice in plan.nodes.items():
+        assert f'  "{name}": {json.dumps(choice.to_dict())}' in lines
+    for c in plan.collectives:
+        assert f"  {json.dumps(c)}" in lines
+    for name, node in plan.params.items():
+        assert f'  "{name}": "{node}"' in lines
+    # (besides: the outputs, and the parameter shapes among the statistics)
+    assert plan.collectives
+    assert len(lines) < len(plan.nodes) + len(plan.collectives) + 4 * len(plan.params) + 60
+    assert json.loads(text) == plan.to_dict()
+
+
 def test_same_model_inputs_and_mesh_give_the_same_plan_json():
     mesh = Mesh((2, 2), ("dp", "tp"))
     assert _gpt_plan(mesh).to_json() == _gpt_plan(mesh).to_json()
