@@ -1,0 +1,182 @@
+"""The HTML report and its simulated schedule (autopar/report.py), on committed plans."""
+
+import dataclasses
+import gzip
+import html
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from autopar.cli import main
+from autopar.core.plan import Plan
+from autopar.report import (
+    COMM,
+    COMPUTE,
+    MAX_MEMORY_POINTS,
+    chrome_trace,
+    render_html,
+    schedule,
+    step_length,
+    write_report,
+)
+from autopar.show import layer_groups
+
+GOLDEN = Path(__file__).resolve().parent.parent / "golden"
+# a 4-layer GPT on (4,) with a budget: reshards, gradient reductions, a checkpointed layer
+# (one reshard into its recomputed copy); and a GPT on (2,2) with 50 collectives
+CASES = ["gpt-4-h100-mem0.3-nofold", "gpt-2x2-cpu-mem0.5"]
+
+
+def _golden(name: str) -> Plan:
+    return Plan.from_json(gzip.open(GOLDEN / f"{name}.json.gz").read().decode())
+
+
+def _ends(edge: str) -> tuple[str, str]:
+    src, _, rest = edge.partition("->")
+    dst, _, note = rest.partition(" ")
+    return src, (f"recompute:{dst}" if note == "(recomputed)" else dst)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_emitted_schedule_is_compute_plus_every_collective(name):
+    plan = _golden(name)
+    spans = schedule(plan)
+    comm = [s for s in spans if s.stream == COMM]
+    assert len(comm) == len(plan.collectives) > 0
+    full = plan.cost["compute_s"] + sum(plan.cost["comm_by_kind_s"].values())
+    assert step_length(spans) == pytest.approx(full, rel=1e-9)
+    # nothing overlaps: the step as emitted waits for each collective where it sits
+    compute = [s for s in spans if s.stream == COMPUTE]
+    for c in comm:
+        assert not any(s.start_s < c.end_s - 1e-15 and c.start_s < s.end_s - 1e-15
+                       for s in compute if s.dur_s > 0), c  # fmt: skip
+    last = max(s.end_s for s in compute)
+    grads = [s for s in comm if "->output[" in s.name]
+    assert grads and all(s.start_s >= last - 1e-15 for s in grads)
+
+
+@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("overlap", [False, True])
+def test_schedule_keeps_every_dependency_and_one_thing_per_stream(name, overlap):
+    plan = _golden(name)
+    spans = schedule(plan, overlap=overlap)
+    start = {s.name: s.start_s for s in spans if s.stream == COMPUTE}
+    end = {s.name: s.end_s for s in spans if s.stream == COMPUTE}
+    for stream in (COMPUTE, COMM):
+        own = sorted((s for s in spans if s.stream == stream), key=lambda s: s.start_s)
+        for a, b in zip(own, own[1:]):
+            assert b.start_s >= a.end_s - 1e-15, (a, b)
+    seen_recomputed = 0
+    for s in spans:
+        if s.stream != COMM:
+            continue
+        src, dst = _ends(s.name)
+        assert s.start_s >= end.get(src, 0.0) - 1e-15, s  # issued once its input exists
+        if dst in start:
+            assert start[dst] >= s.end_s - 1e-15, s  # its consumer waits for it
+            seen_recomputed += dst.startswith("recompute:")
+    if name.startswith("gpt-4"):
+        assert seen_recomputed == 1  # the reshard into the checkpointed layer's copy
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_issuing_collectives_when_ready_overlaps_and_never_lengthens(name):
+    plan = _golden(name)
+    emitted, overlapped = step_length(schedule(plan)), step_length(schedule(plan, overlap=True))
+    compute = sum(s.dur_s for s in schedule(plan) if s.stream == COMPUTE)
+    assert compute <= overlapped < emitted
+
+
+def test_a_plan_without_collectives_schedules_its_compute_alone():
+    plan = _golden("gpt-2x2-h100")
+    assert not plan.collectives
+    spans = schedule(plan, overlap=True)
+    assert all(s.stream == COMPUTE for s in spans)
+    assert step_length(spans) == pytest.approx(plan.cost["total_s"], rel=1e-9)
+
+
+def test_report_is_one_self_contained_page_with_every_section(tmp_path):
+    plan = _golden("gpt-4-h100-mem0.3-nofold")
+    page = render_html(plan)
+    for section in ("summary", "placements", "cost", "timeline", "memory", "solver", "warnings"):
+        assert f'<section id="{section}">' in page
+    # nothing is fetched: no scripts, no links, no external sources
+    assert not re.search(r"https?://(?!www\.w3\.org)", page)
+    assert "<script" not in page and "<link" not in page and " src=" not in page
+    for svg in ("cost-chart", "timeline-emitted", "timeline-overlapped", "memory-chart"):
+        assert f'id="{svg}"' in page
+    assert 'id="budget-line"' in page and 'id="peak-line"' in page
+    # the figures are the plan's
+    assert f"{plan.cost['total_s'] * 1e3:,.4f} ms" in page
+    for pattern, count, _, _ in layer_groups(plan):
+        assert f'<td>{html.escape(pattern)}</td><td class="n">{count}</td>' in page
+    assert "<td>blocks.{0..1}.attn.q.bias</td>" in page  # folded layers shown once
+    assert "activation checkpointing" in page
+
+
+def test_report_escapes_what_it_shows():
+    plan = _golden("mlp-2x2-h100-mem0.5")
+    plan = dataclasses.replace(plan, warnings=("<script>alert('x')</script> & more",))
+    page = render_html(plan)
+    assert "<script>" not in page
+    assert "&lt;script&gt;alert(&#x27;x&#x27;)&lt;/script&gt; &amp; more" in page
+
+
+def test_memory_chart_draws_at_most_its_limit_and_keeps_the_peak():
+    plan = _golden("gpt-4-h100-mem0.3-nofold")
+    step = plan.memory["step"]
+    tl = step["timeline"]
+    reps = 2 * MAX_MEMORY_POINTS // len(tl["nodes"]) + 2  # a timeline past the limit
+    long_tl = {k: [x for _ in range(reps) for x in v] for k, v in tl.items()}
+    n = len(long_tl["nodes"])
+    assert n > MAX_MEMORY_POINTS
+    cats = [c for c in long_tl if c != "nodes"]
+    totals = [sum(long_tl[c][i] for c in cats) for i in range(n)]
+    bumped = n // 3  # the one highest point, inside a bucket
+    long_tl["activations"][bumped] += 10 * 2**20
+    peak = totals[bumped] + 10 * 2**20
+    memory = {**plan.memory, "step": {**step, "timeline": long_tl, "peak_bytes": peak}}
+    page = render_html(dataclasses.replace(plan, memory=memory))
+    chart = page[page.index('id="memory-chart"') :]
+    chart = chart[: chart.index("</svg>")]
+    polygons = re.findall(r'<polygon class="area" points="([^"]*)"', chart)
+    assert polygons
+    for pts in polygons:
+        assert len(pts.split()) <= 2 * MAX_MEMORY_POINTS  # the top edge and the bottom edge
+    # the chart's highest point is the peak: the top of the last stacked area reaches it
+    top_edge = polygons[-1].split()[: len(polygons[-1].split()) // 2]
+    ys = [float(p.split(",")[1]) for p in top_edge]
+    y_peak = re.search(r'id="peak-line" x1="([\d.]+)"', chart)
+    assert y_peak is not None
+    xs = [float(p.split(",")[0]) for p in top_edge]
+    assert abs(xs[ys.index(min(ys))] - float(y_peak.group(1))) < 1e-6
+
+
+def test_chrome_trace_holds_both_schedules(tmp_path):
+    plan = _golden("gpt-2x2-cpu-mem0.5")
+    trace = chrome_trace(plan)
+    json.dumps(trace)  # serializable
+    events = trace["traceEvents"]
+    for pid, overlap in ((0, False), (1, True)):
+        xs = [e for e in events if e["ph"] == "X" and e["pid"] == pid]
+        assert len(xs) == len(schedule(plan, overlap=overlap))
+        assert all(e["dur"] >= 0 and e["ts"] >= 0 and e["tid"] in (0, 1) for e in xs)
+        assert max(e["ts"] + e["dur"] for e in xs) == pytest.approx(
+            step_length(schedule(plan, overlap=overlap)) * 1e6
+        )
+    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert names[(0, 0)] == "compute" and names[(1, 1)] == "communication"
+
+
+def test_cli_report_writes_the_page_and_the_trace(tmp_path, capsys):
+    src = tmp_path / "plan.json"
+    src.write_text(gzip.open(GOLDEN / "gpt-2x2-cpu-mem0.5.json.gz").read().decode())
+    out, trace = tmp_path / "r.html", tmp_path / "t.json"
+    assert main(["report", str(src), "-o", str(out), "--trace", str(trace)]) == 0
+    assert f"report written to {out}, trace to {trace}" in capsys.readouterr().out
+    assert out.read_text().startswith("<!DOCTYPE html>")
+    assert json.loads(trace.read_text())["traceEvents"]
+    write_report(_golden("mlp-2x2-h100-mem0.5"), tmp_path / "only.html")
+    assert (tmp_path / "only.html").exists() and not (tmp_path / "only.json").exists()
