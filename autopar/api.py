@@ -15,6 +15,7 @@ import gc
 import hashlib
 import itertools
 import logging
+import math
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -28,7 +29,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from . import plan_cache
-from .core import Mesh, MixedPrecision, Plan
+from .core import Mesh, MixedPrecision, Plan, parse_placements, placement_str
+from .passes.pins import Pin
 from .passes.pipeline import (
     COMPILE_STAGES,
     PLAN_STAGES,
@@ -40,7 +42,7 @@ from .passes.pipeline import (
 from .passes.trace import StepGraph
 from .runtime import ParallelModule, empty_local_shards, init_local_shards
 
-__all__ = ["plan", "compile", "plan_step", "PlanMismatchError"]
+__all__ = ["plan", "compile", "evaluate", "plan_step", "PlanMismatchError"]
 
 log = logging.getLogger("autopar")
 
@@ -60,8 +62,12 @@ def _options(
     memory_fraction: float | None = None,
     checkpointing: bool = True,
     forbid=(),
+    constraints=None,
+    pins=(),
 ) -> PlanOptions:
     return PlanOptions(
+        constraints=_constraints(constraints),
+        pins=tuple(pins),
         time_limit_s=time_limit_s,
         memory_budget=memory_budget,
         memory_fraction=memory_fraction,
@@ -70,6 +76,28 @@ def _options(
         checkpointing=checkpointing,
         forbid=tuple(tuple((str(n), str(t)) for n, t in choice) for choice in forbid),
     )
+
+
+def _constraints(constraints) -> tuple[tuple[str, str], ...]:
+    """``{pattern: placements}`` as ``(pattern, "R,S(0)")`` pairs: the placements are torch
+    ``Placement``s (one per mesh axis) or their text (``"R,S(0)"``, ``["R", "S(0)"]``)."""
+    if not constraints:
+        return ()
+    out = []
+    for pattern, value in dict(constraints).items():
+        if str(pattern).startswith("reshard:"):  # an axis's rule (passes/pins), not placements
+            out.append((str(pattern), str(value)))
+            continue
+        if isinstance(value, str):
+            texts = [t.strip() for t in value.split(",")]
+        else:
+            texts = [v.strip() if isinstance(v, str) else placement_str(v) for v in value]
+        try:
+            parse_placements(texts)
+        except (ValueError, KeyError) as e:
+            raise ValueError(f"constraint {pattern!r}: {value!r} is not placements: {e}") from None
+        out.append((str(pattern), ",".join(texts)))
+    return tuple(out)
 
 
 def plan_step(
@@ -163,6 +191,7 @@ def plan(
     cache: bool = False,
     forbid=(),
     fingerprint: str | None = None,
+    constraints=None,
 ) -> Plan:
     """Plan ``model`` for ``mesh`` without processes or weights (a meta model works).
 
@@ -186,7 +215,11 @@ def plan(
     choices the plan may not make, each a sequence of ``(node, placements text)`` of which
     the plan changes at least one (passes/solve; ``autopar explain``). ``fingerprint``:
     the step graph the plan must be for (a saved plan's): ``PlanMismatchError`` if the model
-    traces to another, before any search.
+    traces to another, before any search. ``constraints``: placements fixed before the
+    search, ``{pattern: placements}`` with an ``fnmatch`` pattern over parameter names (or
+    ``"input:N"``, the N-th input, then the targets) and one torch placement per mesh axis,
+    or their text (``{"layers.*.wq.weight": (Replicate(), Shard(0)), "input:0": "S(0),R"}``;
+    passes/pins; ``autopar.experts`` has the usual ones); the solver chooses the rest.
     """
     if not isinstance(mesh, Mesh):
         raise TypeError(
@@ -194,8 +227,24 @@ def plan(
             "for a torch DeviceMesh use autopar.Mesh.from_device_mesh(mesh)"
         )
     options = _options(
-        time_limit_s, memory_budget, fold, skip, optimizer, memory_fraction, checkpointing, forbid
+        time_limit_s,
+        memory_budget,
+        fold,
+        skip,
+        optimizer,
+        memory_fraction,
+        checkpointing,
+        forbid,
+        constraints,
     )
+    return _plan(model, mesh, example_inputs, loss_fn, example_targets, options, mp_policy,
+                 cache=cache, fingerprint=fingerprint)  # fmt: skip
+
+
+def _plan(
+    model, mesh, example_inputs, loss_fn, example_targets, options, mp_policy, *, cache=False,
+    fingerprint=None,
+) -> Plan:  # fmt: skip
     stats: dict = {}
     with contextlib.ExitStack() as stack:
         step = _trace(model, example_inputs, loss_fn, example_targets, stack, stats, mp=mp_policy)
@@ -213,6 +262,54 @@ def plan(
         made = _search(step, mesh, options, stats)
         plan_cache.store(key, made)
         return made
+
+
+def evaluate(
+    model: nn.Module,
+    mesh: Mesh,
+    example_inputs,
+    plan_or_constraints,
+    *,
+    loss_fn=None,
+    example_targets=None,
+    optimizer: str = "adamw",
+    mp_policy: MixedPrecision | None = None,
+    time_limit_s: float = 600.0,
+) -> Plan:
+    """The cost and memory of a given plan, as a ``Plan`` with the breakdown of a found one.
+
+    ``plan_or_constraints``: a ``Plan`` of this step and mesh (every node keeps its
+    strategy; checkpointing and its memory budget as it was made), or constraints as
+    ``plan(..., constraints=...)`` takes them (an expert's placements of the parameters and
+    the batch, ``autopar.experts``; the solver places the rest at least cost, with no
+    memory bound and nothing checkpointed, so that the peak says whether the expert plan
+    fits: compare ``plan.memory["step"]["peak_bytes"]`` with the device's memory).
+    """
+    if isinstance(plan_or_constraints, Plan):
+        given = plan_or_constraints
+        if given.mesh != mesh:
+            raise PlanMismatchError(f"the plan is for {given.mesh}, not {mesh}")
+        pins = [
+            Pin(node, ",".join(c.out[0]), tuple(None if i is None else ",".join(i) for i in c.ins))
+            for node, c in given.nodes.items()
+            if c.out and c.out[0] is not None
+        ]
+        budget = given.stats.get("memory_budget", math.inf)
+        options = _options(
+            time_limit_s, budget, bool(given.stats.get("fold", True)), (), optimizer,
+            checkpointing=bool(given.recompute), pins=pins,
+        )  # fmt: skip
+        fingerprint = given.fingerprint
+    else:
+        options = _options(
+            time_limit_s, math.inf, True, (), optimizer, checkpointing=False,
+            constraints=plan_or_constraints,
+        )  # fmt: skip
+        fingerprint = None
+    return _plan(
+        model, mesh, example_inputs, loss_fn, example_targets, options, mp_policy,
+        fingerprint=fingerprint,
+    )  # fmt: skip
 
 
 def _check_world(device_mesh) -> None:

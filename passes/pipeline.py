@@ -42,6 +42,8 @@ from autopar.core import CompiledStep, Solution, StrategySpace
 from .codegen import codegen
 from .fold import FoldedGraph, fold_regions
 from .memory import OPTIMIZERS, MemoryReport, simulate
+from .pins import Pin
+from .pins import resolve as resolve_pins
 from .solve import DEVICE_BUDGET, solve
 from .strategies import build_strategies
 from .trace import StepGraph, trace_step
@@ -83,6 +85,13 @@ class PlanOptions:
 
     checkpointing: bool = True
     """The solver may recompute layers' activations where the budget binds (passes/remat)."""
+
+    constraints: tuple[tuple[str, str], ...] = ()
+    """Placements fixed before the search: ``(pattern, placements text)`` pairs over
+    parameter names and ``input:N`` (passes/pins)."""
+
+    pins: tuple[Pin, ...] = ()
+    """Nodes fixed to strategies before the search (a whole plan: ``autopar.evaluate``)."""
 
     forbid: tuple[tuple[tuple[str, str], ...], ...] = ()
     """Choices the plan may not make: each a tuple of ``(node, placements text)``, not all
@@ -212,6 +221,7 @@ def _solve(state: dict) -> Solution:
         budget = DEVICE_BUDGET
     else:
         budget = options.memory_budget
+    pins, frozen = resolve_pins(state["strategies"], options.constraints)
     return solve(
         state["strategies"],
         time_limit_s=options.time_limit_s,
@@ -220,6 +230,8 @@ def _solve(state: dict) -> Solution:
         optimizer=options.optimizer,
         checkpointing=options.checkpointing,
         forbid=options.forbid,
+        pins=pins + list(options.pins),
+        frozen=frozen,
     )
 
 

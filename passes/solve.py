@@ -26,6 +26,9 @@ The ILP (Alpa's intra-operator formulation):
                                (``memory_cut``; "Memory")
         r[g] in {0,1}           fold group g's layers recompute their activations in the
                                backward ("Checkpointing")
+        sum_{k in A(v)} x[v,k] = 1
+                               for each pinned node v (passes/pins: A(v) the strategies
+                               whose placements agree with the pin; ``pin_node``)
         sum_{(v,k) in F} x[v,k] <= |F| - 1
                                for each forbidden choice F (``forbid``: a set of nodes each
                                with the strategies of one output placement; not all of them
@@ -157,7 +160,7 @@ import os
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -188,6 +191,7 @@ from autopar.cost_models import (
 
 from . import remat
 from .memory import Liveness, MemoryReport, liveness, local_bytes, measure, optimizer_bytes
+from .pins import Pin, check_folding
 
 __all__ = [
     "DEVICE_BUDGET",
@@ -791,6 +795,58 @@ def build_ilp(
     return ilp
 
 
+def _text(ps) -> str | None:
+    return None if ps is None else ",".join(placement_str(p) for p in ps)
+
+
+def pin_node(ilp: IlpBuilder, pin: Pin) -> None:
+    """``pin.node`` takes one of the strategies that agree with ``pin``: its first output
+    placed as ``pin.out`` (and its inputs as ``pin.ins``, when given)."""
+    space, r = ilp.space, ilp.folding.rep(pin.node)
+    if pin.node not in space.strategies:
+        raise ValueError(f"pin: no node {pin.node!r} in the step graph")
+    ks = [
+        k
+        for k, st in enumerate(space.strategies[r])
+        if st.out and _text(st.out[0]) == pin.out
+        and (pin.ins is None or tuple(_text(i) for i in st.ins) == pin.ins)
+    ]  # fmt: skip
+    if not ks:
+        offered = sorted(
+            {str(_text(st.out[0])) for st in space.strategies[r] if st.out and st.out[0]}
+        )
+        raise ValueError(
+            f"{pin.why or pin.node}: no strategy places it {pin.out}"
+            + ("" if pin.ins is None else f" from inputs {pin.ins}")
+            + f"; it may take {', '.join(str(o) for o in offered)}"
+        )
+    chosen = list(dict.fromkeys(v for k in ks for v in ilp.x[r][k]))
+    ilp.lp.Add(sum(chosen) == 1)
+
+
+def freeze_axes(ilp: IlpBuilder, frozen: Mapping[int, Collection[str]]) -> None:
+    """No edge between operators runs a collective on a frozen mesh axis, but those out of
+    the axis's allowed nodes, those of a scalar (a mean loss's token count, which the
+    backward needs whole) and the reductions of a gradient before its cast (its pairs that
+    would are fixed to 0); the step's outputs stay free."""
+    space = ilp.space
+    for (src, src_out, dst, _), pairs in ilp.pairs.items():
+        if space.reduce_at.get(dst) is not None:
+            continue
+        shape, dtype = space.tensor(src, src_out)
+        if math.prod(shape) <= 1:  # a scalar: the loss's token count (DDP reduces it too)
+            continue
+        for axis, allowed in frozen.items():
+            if src in allowed:
+                continue
+            for ev, p, q in pairs:
+                if p[axis] == q[axis]:
+                    continue
+                colls = redistribute_collectives(p, q, shape, dtype, space.mesh.shape)
+                if any(c.axis == axis for c in colls):
+                    ev.SetUb(0.0)
+
+
 def forbid_choice(ilp: IlpBuilder, choice: Sequence[tuple[str, str]]) -> None:
     """Not all of ``choice``'s nodes keep their placement (``solve``'s ``forbid``).
 
@@ -804,15 +860,10 @@ def forbid_choice(ilp: IlpBuilder, choice: Sequence[tuple[str, str]]) -> None:
         r = rep(node)
         if r in terms:
             continue
-        ks = [
-            k
-            for k, st in enumerate(space.strategies[r])
-            if st.out and st.out[0] is not None
-            and ",".join(placement_str(p) for p in st.out[0]) == text
-        ]  # fmt: skip
+        ks = [k for k, st in enumerate(space.strategies[r]) if st.out and _text(st.out[0]) == text]
         if not ks:
             raise ValueError(f"forbid: node {node!r} has no strategy placing its output {text}")
-        terms[r] = [v for k in ks for v in ilp.x[r][k]]
+        terms[r] = list(dict.fromkeys(v for k in ks for v in ilp.x[r][k]))
     ilp.lp.Add(sum(v for vs in terms.values() for v in vs) <= len(terms) - 1)
 
 
@@ -1061,6 +1112,8 @@ def solve(
     mip_gap: float = MIP_GAP,
     checkpointing: bool = True,
     forbid: Sequence[Sequence[tuple[str, str]]] = (),
+    pins: Sequence[Pin] = (),
+    frozen: Mapping[int, Collection[str]] | None = None,
 ) -> Solution:
     """Solve the ILP of the module docstring for ``space``.
 
@@ -1080,7 +1133,9 @@ def solve(
     the budget binds ("Checkpointing"); False keeps every activation.
     ``forbid``: choices the plan may not make, each a sequence of ``(node, placements)``
     (the node's first output placement as text per mesh axis, ``"S(0),R"``): the plan
-    changes at least one of them (``forbid_choice``).
+    changes at least one of them (``forbid_choice``). ``pins``: placements fixed before
+    the search (passes/pins; ``pin_node``). ``frozen``: mesh axes on which no edge between
+    operators runs a collective, but those out of the given nodes (``freeze_axes``).
     """
     solver = solver or os.environ.get("AUTOPAR_SOLVER", "HIGHS")
     options = dict(merge=merge, reshard_axes=reshard_axes, grad_overlap=grad_overlap)
@@ -1103,6 +1158,11 @@ def solve(
     else:
         budget = None if memory_budget is None else float(memory_budget)
     ilp = build_ilp(space, profile, solver=solver, optimizer=optimizer, **options)
+    check_folding(space, ilp.folding.rep, list(pins))
+    for pin in pins:
+        pin_node(ilp, pin)
+    if frozen:
+        freeze_axes(ilp, frozen)
     for choice in forbid:
         forbid_choice(ilp, choice)
     t0 = time.perf_counter()
@@ -1120,6 +1180,15 @@ def solve(
             + ("" if budget is None else ", or the memory budget")
         )
     if not _solved(status):
+        if (pins or frozen) and status == pywraplp.Solver.INFEASIBLE:
+            held = [f"{len(pins)} pinned nodes"] if pins else []
+            held += [f"no reshard on axis {space.mesh.axis_names[a]}" for a in frozen or {}]
+            raise SolveError(
+                f"no plan keeps the constraints ({', '.join(held)})"
+                + ("" if budget is None else f" within a memory budget of {budget / _MIB:,.2f} MiB")
+                + ": loosen them (fewer patterns, or a 'reshard:AXIS' of 'params' for 'none')"
+                + ("" if budget is None else ", or raise the budget")
+            )
         if budget is not None and status == pywraplp.Solver.INFEASIBLE:
             least = smallest_budget(
                 space, profile, lv, solver=solver, time_limit_s=time_limit_s,

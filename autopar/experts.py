@@ -1,0 +1,138 @@
+"""The plans people write by hand, as constraint sets for ``autopar.plan`` and ``autopar.evaluate``.
+
+Each function returns ``{pattern: placements text}`` (passes/pins): the placements of the
+parameters and of the batch, and the rules of the data-parallel axes, as the expert plan
+fixes them; the solver places what is left (the activations between) at least cost.
+``autopar.evaluate(model, mesh, inputs, experts.megatron(model, mesh), ...)`` then costs
+the expert plan with the cost model that costs autopar's own, so the two compare.
+
+    - ``dp``: every parameter replicated, the batch sharded along dim 0 over the data axes,
+      which carry nothing but the gradients' all-reduces (DDP);
+    - ``fsdp``: every parameter sharded along dim 0 over the data axes, all-gathered where it
+      is used (forward and backward) and its gradient reduce-scattered; the batch as in
+      ``dp`` (FSDP2, ZeRO-3);
+    - ``megatron``: tensor parallelism over ``tp`` as Megatron-LM writes it: the linear
+      layers that open a block (attention's q/k/v, the MLP's first) split their outputs
+      (column-parallel), those that close it split their inputs (row-parallel), the
+      embedding and the output head split the vocabulary; with ``dp``, data parallel
+      over that axis as well. (FSDP over ``dp`` beside TP, torchtitan's 2-D plan, is not
+      offered yet: constrained so, the zoo's GPT on (2, 2) has no plan, for a cause not
+      yet found.)
+
+Which linear opens and which closes a block is read from the module's name (``column`` and
+``row``: ``fnmatch`` patterns over the last name of the module path, defaults for the usual
+names of GPT-2, Llama, Mistral, Qwen, Gemma and BERT models) and its type: ``nn.Linear``
+keeps its weight as ``[out, in]``, Hugging Face's ``Conv1D`` (GPT-2) as ``[in, out]``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+
+from torch import nn
+
+from .core import Mesh
+
+__all__ = ["COLUMN", "ROW", "dp", "fsdp", "megatron"]
+
+COLUMN = (
+    "q", "k", "v", "q_proj", "k_proj", "v_proj", "qkv", "qkv_proj", "c_attn", "query", "key",
+    "value", "wq", "wk", "wv", "fc1", "c_fc", "gate_proj", "up_proj", "gate_up_proj", "w1",
+    "w3", "intermediate.dense", "lm_head", "head",
+)  # fmt: skip
+"""Linear layers that open a block: column-parallel (their output features split)."""
+
+ROW = ("o", "o_proj", "out_proj", "wo", "dense", "fc2", "c_proj", "down_proj", "w2",
+       "output.dense")  # fmt: skip
+"""Linear layers that close a block: row-parallel (their input features split)."""
+
+
+def _axes(mesh: Mesh, axes) -> list[str]:
+    if axes is None:
+        return [mesh.axis_names[0]]
+    axes = [axes] if isinstance(axes, str) else list(axes)
+    for a in axes:
+        if a not in mesh.axis_names:
+            raise ValueError(f"no mesh axis {a!r}: the mesh's axes are {mesh.axis_names}")
+    return axes
+
+
+def _text(mesh: Mesh, per_axis: dict[str, str]) -> str:
+    return ",".join(per_axis.get(a, "R") for a in mesh.axis_names)
+
+
+def _batch(mesh: Mesh, data: list[str]) -> dict[str, str]:
+    return {"input:*": _text(mesh, {a: "S(0)" for a in data})}
+
+
+def dp(mesh: Mesh, axes=None) -> dict[str, str]:
+    """Data parallelism over ``axes`` (default: the mesh's first axis; the others are the
+    solver's). The batch split over several axes at once needs one dim sharded over
+    several axes, which the rules of embedding and the NLL loss do not offer yet: the
+    solver then finds no plan and says so."""
+    data = _axes(mesh, axes)
+    return {
+        "*": _text(mesh, {}),
+        **_batch(mesh, data),
+        **{f"reshard:{a}": "none" for a in data},
+    }
+
+
+def fsdp(mesh: Mesh, axes=None) -> dict[str, str]:
+    """Fully sharded data parallelism over ``axes`` (default: the mesh's first axis; as
+    ``dp``)."""
+    data = _axes(mesh, axes)
+    return {
+        "*": _text(mesh, {a: "S(0)" for a in data}),
+        **_batch(mesh, data),
+        **{f"reshard:{a}": "params" for a in data},
+    }
+
+
+def _matches(name: str, patterns) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) or name.endswith("." + p) for p in patterns)
+
+
+def megatron(
+    model: nn.Module,
+    mesh: Mesh,
+    *,
+    tp: str = "tp",
+    dp: str | None = None,
+    column=COLUMN,
+    row=ROW,
+) -> dict[str, str]:
+    """Megatron-LM tensor parallelism over ``tp`` (module docstring); with ``dp``, data
+    parallelism over that axis too."""
+    axes = _axes(mesh, [tp] + ([dp] if dp else []))
+    out: dict[str, str] = {}
+    for path, module in model.named_modules():
+        leaf = path.rpartition(".")[2]
+        prefix = f"{path}." if path else ""
+        if isinstance(module, nn.Embedding):
+            out[f"{prefix}weight"] = _text(mesh, {tp: "S(0)"})  # vocabulary-parallel
+            continue
+        if not (isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"):
+            continue
+        # nn.Linear: weight [out, in]; Conv1D: weight [in, out]
+        out_dim, in_dim = ("S(0)", "S(1)") if isinstance(module, nn.Linear) else ("S(1)", "S(0)")
+        if _matches(path, column) or _matches(leaf, column):
+            out[f"{prefix}weight"] = _text(mesh, {tp: out_dim})
+            out[f"{prefix}bias"] = _text(mesh, {tp: "S(0)"})
+        elif _matches(path, row) or _matches(leaf, row):
+            out[f"{prefix}weight"] = _text(mesh, {tp: in_dim})
+            out[f"{prefix}bias"] = _text(mesh, {})
+    if not out:
+        raise ValueError(
+            "megatron: no embedding and no linear layer named as column- or row-parallel in "
+            f"this model: pass column=... and row=... (patterns over module names; defaults "
+            f"{COLUMN[:4]}..., {ROW[:4]}...)"
+        )
+    # what no rule names (norms, the biases of row-parallel layers): replicated
+    params = {name for name, _ in model.named_parameters()}
+    constraints = {k: v for k, v in out.items() if k in params}
+    constraints["*"] = _text(mesh, {})
+    if dp:
+        constraints.update(_batch(mesh, axes[1:]))
+        constraints[f"reshard:{dp}"] = "none"
+    return constraints

@@ -1,0 +1,119 @@
+"""autopar's plan against the expert plans, costed by the same cost model and memory model.
+
+    python benchmarks/plan_quality.py [--models llama3-8b] [--meshes 8,8x8]
+        [--precision bf16-mixed|fp32] [--check]
+
+For each model and mesh: autopar's plan (``autopar.plan`` at the device profile's usable
+memory), then each expert plan that applies to the mesh, as ``autopar/experts.py`` writes it
+and ``autopar.evaluate`` costs it (the expert's placements of the parameters and the batch
+pinned; the solver places the activations between at least cost; no memory bound, nothing
+checkpointed):
+
+    - DP (every parameter replicated, the batch split over the first axis; DDP);
+    - FSDP over the first axis (ZeRO-3);
+    - Megatron TP over the last axis, and on two axes Megatron TP over the last + DP over
+      the first.
+
+On a mesh of two axes, an axis a plan does not name is the solver's (DP over ``dp`` leaves
+``tp`` to it).
+
+"x autopar" is the expert's estimated step time over autopar's (above 1: autopar's plan is
+faster); "fits" compares the expert's predicted peak per rank with the usable memory.
+``--check`` exits non-zero when an expert plan that fits is estimated faster than
+autopar's (autopar's own plan is bounded by the memory; a faster expert that does not fit
+is no loss). These are the cost model's estimates, not measured step times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import warnings
+
+import torch
+from common import print_header
+
+import autopar
+from autopar import experts
+from autopar.cost_models import get_profile
+from autopar.models import EXAMPLES
+from autopar.passes.solve import SolveError
+
+
+def _experts(model, mesh: autopar.Mesh) -> list[tuple[str, dict]]:
+    """The expert plans for ``mesh``, labelled with the axes they fix (the others, if any,
+    are the solver's)."""
+    axes = mesh.axis_names
+    data, model_axis = axes[0], axes[-1]
+    out = [(f"DP over {data}", experts.dp(mesh)), (f"FSDP over {data}", experts.fsdp(mesh))]
+    out.append((f"Megatron TP over {model_axis}", experts.megatron(model, mesh, tp=model_axis)))
+    if len(axes) > 1:
+        out.append(
+            (f"Megatron TP over {model_axis} + DP over {data}",
+             experts.megatron(model, mesh, tp=model_axis, dp=data))
+        )  # fmt: skip
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default="llama3-8b")
+    ap.add_argument("--meshes", default="8,8x8")
+    ap.add_argument("--device", default="h100")
+    ap.add_argument("--precision", choices=["bf16-mixed", "fp32"], default="bf16-mixed")
+    ap.add_argument("--check", action="store_true")
+    args = ap.parse_args()
+    print_header(
+        f"profile {args.device}; AdamW; {args.precision}; the cost model's estimates",
+        ["model", "mesh", "plan", "est. step ms", "x autopar", "peak GiB/rank", "fits",
+         "collectives/step", "wall s"],
+    )  # fmt: skip
+    warnings.simplefilter("ignore")
+    policy = None
+    if args.precision == "bf16-mixed":
+        policy = autopar.MixedPrecision(torch.bfloat16, reduce_dtype=torch.float32)
+    missed = []
+    for name in args.models.split(","):
+        for text in args.meshes.split(","):
+            shape = tuple(int(s) for s in text.split("x"))
+            axes = ("dp", "tp")[: len(shape)]
+            mesh = autopar.Mesh(shape, axes, device=args.device)
+            usable = get_profile(mesh.device).usable_memory
+            model, inputs, loss_fn, targets = EXAMPLES[name]()
+            kw = dict(loss_fn=loss_fn, example_targets=targets, mp_policy=policy)
+            t0 = time.perf_counter()
+            ours = autopar.plan(model, mesh, inputs, **kw)
+            rows = [("autopar", ours, time.perf_counter() - t0)]
+            for label, cons in _experts(model, mesh):
+                t0 = time.perf_counter()
+                try:
+                    rows.append((label, autopar.evaluate(model, mesh, inputs, cons, **kw),
+                                 time.perf_counter() - t0))  # fmt: skip
+                except (SolveError, ValueError) as e:
+                    print(f"| {name} | {text} | {label} | no plan: {e} | | | | | |", flush=True)
+            base = ours.cost["total_s"]
+            for label, plan, wall in rows:
+                total = plan.cost["total_s"]
+                peak = plan.memory["step"]["peak_bytes"]
+                fits = peak <= usable
+                if label != "autopar" and fits and total < base * (1 - 1e-9):
+                    missed.append(f"{name} on {text}: {label} {total * 1e3:.1f} ms < autopar "
+                                  f"{base * 1e3:.1f} ms")  # fmt: skip
+                print(
+                    f"| {name} | {text} | {label} | {total * 1e3:.1f} | {total / base:.3f} "
+                    f"| {peak / 2**30:.1f} | {'yes' if fits else 'no'} "
+                    f"| {len(plan.collectives)} | {wall:.1f} |",
+                    flush=True,
+                )
+    if missed:
+        print("\nexpert plans that fit and are estimated faster than autopar's:")
+        for m in missed:
+            print(f"  {m}")
+    else:
+        print("\nno expert plan that fits is estimated faster than autopar's")
+    return 1 if args.check and missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

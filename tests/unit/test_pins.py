@@ -1,0 +1,145 @@
+"""Pin part of a plan (``autopar.plan(..., constraints=...)``), cost a given plan
+(``autopar.evaluate``), and the expert plans as constraint sets (autopar/experts.py)."""
+
+import math
+
+import pytest
+import torch
+from torch.distributed.tensor import Replicate, Shard
+
+import autopar
+from autopar import Mesh, experts
+from autopar.api import PlanMismatchError
+from autopar.passes.solve import SolveError
+from autopar.show import purpose
+from autopar.verify import build_example
+
+MESH_4 = Mesh((4,), ("dp",), device="h100")
+MESH_2x2 = Mesh((2, 2), ("dp", "tp"), device="h100")
+
+
+def _gpt(name: str = "gpt"):
+    model, inputs, loss_fn, targets = build_example(name, batch=8)
+    meta = lambda ts: tuple(t.to("meta") for t in ts)  # noqa: E731
+    return model.to("meta"), meta(inputs), dict(loss_fn=loss_fn, example_targets=meta(targets))
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    return _gpt()
+
+
+@pytest.fixture(scope="module")
+def found_2x2(gpt):
+    model, inputs, kw = gpt
+    return autopar.plan(model, MESH_2x2, inputs, **kw)
+
+
+def test_constraints_pin_parameters_and_the_solver_places_the_rest(gpt, found_2x2):
+    model, inputs, kw = gpt
+    pinned = {
+        "blocks.*.fc1.weight": (Replicate(), Shard(1)),  # torch placements
+        "blocks.*.fc2.weight": "S(0),R",  # or their text
+        "input:0": ["S(0)", "R"],
+    }
+    plan = autopar.plan(model, MESH_2x2, inputs, constraints=pinned, **kw)
+    got = plan.param_placements
+    for i in (0, 1):
+        assert got[f"blocks.{i}.fc1.weight"] == (Replicate(), Shard(1))
+        assert got[f"blocks.{i}.fc2.weight"] == (Shard(0), Replicate())
+    assert plan.input_placements[0] == (Shard(0), Replicate())
+    # the free plan chose otherwise, so the pinned one can only cost as much or more
+    free = found_2x2.param_placements
+    assert free["blocks.0.fc1.weight"] != (Replicate(), Shard(1))
+    assert plan.cost["total_s"] >= found_2x2.cost["total_s"] * (1 - 1e-6)
+
+
+def test_evaluate_a_found_plan_gives_back_its_cost_and_memory(gpt, found_2x2):
+    model, inputs, kw = gpt
+    again = autopar.evaluate(model, MESH_2x2, inputs, found_2x2, **kw)
+    assert again.cost["total_s"] == pytest.approx(found_2x2.cost["total_s"], rel=1e-9)
+    assert again.memory["step"]["peak_bytes"] == found_2x2.memory["step"]["peak_bytes"]
+    assert {n: c.out for n, c in again.nodes.items()} == {
+        n: c.out for n, c in found_2x2.nodes.items()
+    }
+    with pytest.raises(PlanMismatchError, match="is for"):
+        autopar.evaluate(model, MESH_4, inputs, found_2x2, **kw)
+
+
+def test_dp_expert_plan_reduces_gradients_and_nothing_else_on_its_axis(gpt):
+    model, inputs, kw = gpt
+    plan = autopar.evaluate(model, MESH_4, inputs, experts.dp(MESH_4), **kw)
+    assert all(ps == (Replicate(),) for ps in plan.param_placements.values())
+    assert all(ps == (Shard(0),) for ps in plan.input_placements)
+    # besides the gradients, only the mean loss's token count (a scalar) is reduced
+    tensors = [c for c in plan.collectives if c["nbytes"] > 8]
+    assert tensors and {purpose(c) for c in tensors} == {"gradient reduction"}
+    assert {c["kind"] for c in plan.collectives} == {"all_reduce"}
+    assert len(tensors) == len(plan.params)
+    assert not plan.recompute and "memory_budget" not in plan.stats  # unbounded, as given
+
+
+def test_fsdp_expert_plan_shards_every_parameter_and_gathers_only_parameters(gpt):
+    model, inputs, kw = gpt
+    dp = autopar.evaluate(model, MESH_4, inputs, experts.dp(MESH_4), **kw)
+    plan = autopar.evaluate(model, MESH_4, inputs, experts.fsdp(MESH_4), **kw)
+    assert all(ps == (Shard(0),) for ps in plan.param_placements.values())
+    kinds = {(purpose(c), c["kind"]) for c in plan.collectives if c["nbytes"] > 4}
+    # parameters all-gathered before use, gradients reduce-scattered (ZeRO-3)
+    assert kinds == {("reshard", "all_gather"), ("gradient reduction", "reduce_scatter")}
+    gathered = {c["edge"].split("->")[0] for c in plan.collectives if c["kind"] == "all_gather"}
+    params = set(plan.params.values())
+    views = {n for n, c in plan.nodes.items() if c.op in ("aten.t.default", "aten.view.default")}
+    assert gathered <= params | views
+    assert plan.memory["step"]["peak_bytes"] < dp.memory["step"]["peak_bytes"]
+    assert plan.memory["param_bytes_per_rank"] * 4 == pytest.approx(
+        dp.memory["param_bytes_per_rank"], rel=0.01
+    )
+
+
+def test_megatron_expert_plan_splits_columns_then_rows(gpt):
+    model, inputs, kw = gpt
+    cons = experts.megatron(model, MESH_2x2, dp="dp")
+    assert cons["blocks.0.attn.q.weight"] == "R,S(0)" and cons["blocks.0.fc2.weight"] == "R,S(1)"
+    assert cons["tok.weight"] == "R,S(0)" and cons["input:*"] == "S(0),R"
+    plan = autopar.evaluate(model, MESH_2x2, inputs, cons, **kw)
+    got = plan.param_placements
+    assert got["blocks.1.fc1.weight"] == (Replicate(), Shard(0))
+    assert got["blocks.1.attn.o.weight"] == (Replicate(), Shard(1))
+    assert got["blocks.1.ln1.weight"] == (Replicate(), Replicate())
+    on_dp = [c for c in plan.collectives if c["axis"] == "dp" and c["nbytes"] > 8]
+    assert on_dp and all(purpose(c) == "gradient reduction" for c in on_dp)
+    assert any(c["axis"] == "tp" for c in plan.collectives)
+
+
+def test_megatron_reads_hf_conv1d_weights_as_in_by_out():
+    pytest.importorskip("transformers")
+    model, _, _, _ = build_example("hf-gpt2", batch=2)
+    cons = experts.megatron(model, MESH_2x2)
+    attn = next(k for k in cons if k.endswith("attn.c_attn.weight"))
+    proj = next(k for k in cons if k.endswith("attn.c_proj.weight"))
+    assert cons[attn] == "R,S(1)" and cons[proj] == "R,S(0)"  # Conv1D: [in, out]
+    with pytest.raises(ValueError, match="column=... and row="):
+        experts.megatron(torch.nn.Sequential(torch.nn.Linear(4, 4)), MESH_2x2)
+    with pytest.raises(ValueError, match="no mesh axis 'cp'"):
+        experts.megatron(model, MESH_2x2, tp="cp")
+
+
+@pytest.mark.parametrize(
+    "constraints, message",
+    [
+        ({"no.such.*": "R"}, "matches no parameter"),
+        ({"*.bias": "R,R"}, "gives 2 placements for a mesh of 1 axes"),
+        ({"input:7": "S(0)"}, "the step takes 2 inputs and targets"),
+        ({"reshard:tp": "none"}, "the mesh axes are"),
+        ({"*": "Q"}, "is not placements"),
+        # two layers folded together cannot be placed apart
+        ({"blocks.0.fc1.weight": "S(0)", "blocks.1.fc1.weight": "S(1)"}, "folded together"),
+        # the embedding's rule offers no sharding of a batch it gathers from: no plan
+        ({"input:*": "S(0)", "tok.weight": "S(1)", "reshard:dp": "none"}, "no plan keeps"),
+    ],
+)
+def test_constraints_that_cannot_hold_say_why(gpt, constraints, message):
+    model, inputs, kw = gpt
+    with pytest.raises((ValueError, SolveError), match=message):
+        autopar.plan(model, MESH_4, inputs, constraints=constraints, memory_budget=math.inf, **kw)
