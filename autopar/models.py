@@ -69,6 +69,7 @@ __all__ = [
     "LSTMLM",
     "lm_batch",
     "llama3_8b",
+    "llama3_1b",
     "gpt3",
 ]
 
@@ -664,6 +665,14 @@ def llama3_8b(layers: int = 32, seq: int = 2048) -> nn.Module:
         )
 
 
+def llama3_1b(layers: int = 16, seq: int = 2048) -> nn.Module:
+    """Llama-3.2-1B's shapes (Hugging Face Llama; the head not tied) on the meta device."""
+    with torch.device("meta"):
+        return hf_llama(
+            layers=layers, hidden=2048, heads=32, kv_heads=8, ffn=8192, vocab=128256, seq=seq
+        )
+
+
 def gpt3(layers: int = 96, seq: int = 2048) -> nn.Module:
     """A GPT-3-175B-like decoder (vocab padded to 50304) on the meta device."""
     cfg = GPTConfig(vocab=50304, seq=seq, hidden=12288, heads=96, layers=layers, ffn=49152)
@@ -674,6 +683,11 @@ def gpt3(layers: int = 96, seq: int = 2048) -> nn.Module:
 def _llama3_8b_example(batch: int = 8):
     tokens, targets = lm_batch(128256, batch, 2048, device="meta")
     return llama3_8b(), (tokens,), hf_logits_loss, (targets,)
+
+
+def _llama3_1b_example(batch: int = 8):
+    tokens, targets = lm_batch(128256, batch, 2048, device="meta")
+    return llama3_1b(), (tokens,), hf_logits_loss, (targets,)
 
 
 def _gpt3_example(batch: int = 8):
@@ -688,6 +702,7 @@ EXAMPLES = {
     "hf-gpt2": _hf_gpt2_example,
     "hf-llama": _hf_llama_example,
     "llama3-8b": _llama3_8b_example,
+    "llama3-1b": _llama3_1b_example,
     "gpt3": _gpt3_example,
     "qwen2": _qwen2_example,
     "mistral": _mistral_example,

@@ -1,6 +1,7 @@
 """autopar's plan against the expert plans, costed by the same cost model and memory model.
 
-    python benchmarks/plan_quality.py [--models llama3-8b] [--meshes 8,8x8]
+    python benchmarks/plan_quality.py [--models llama3-8b,gpt3,llama3-1b]
+        [--meshes 8,2x4,8x8,16x8]
         [--precision bf16-mixed|fp32] [--check]
 
 For each model and mesh: autopar's plan (``autopar.plan`` at the device profile's usable
@@ -58,8 +59,8 @@ def _experts(model, mesh: autopar.Mesh) -> list[tuple[str, dict]]:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--models", default="llama3-8b")
-    ap.add_argument("--meshes", default="8,8x8")
+    ap.add_argument("--models", default="llama3-8b,gpt3,llama3-1b")
+    ap.add_argument("--meshes", default="8,2x4,8x8,16x8")
     ap.add_argument("--device", default="h100")
     ap.add_argument("--precision", choices=["bf16-mixed", "fp32"], default="bf16-mixed")
     ap.add_argument("--check", action="store_true")
