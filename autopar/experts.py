@@ -15,9 +15,11 @@ the expert plan with the cost model that costs autopar's own, so the two compare
       layers that open a block (attention's q/k/v, the MLP's first) split their outputs
       (column-parallel), those that close it split their inputs (row-parallel), the
       embedding and the output head split the vocabulary; with ``dp``, data parallel
-      over that axis as well. (FSDP over ``dp`` beside TP, torchtitan's 2-D plan, is not
-      offered yet: constrained so, the zoo's GPT on (2, 2) has no plan, for a cause not
-      yet found.)
+      over that axis as well; with ``fsdp=True`` too, the parameters also sharded over
+      ``dp`` (torchtitan's FSDP + TP), each along the dim that ``tp`` leaves whole (a
+      column-parallel bias, whose one dim ``tp`` splits, replicated over ``dp``). That
+      layout needs reshards the solver's simplifications leave out, so it is solved as
+      the exact ILP (passes/solve, "Constraints").
 
 Which linear opens and which closes a block is read from the module's name (``column`` and
 ``row``: ``fnmatch`` patterns over the last name of the module path, defaults for the usual
@@ -99,40 +101,48 @@ def megatron(
     *,
     tp: str = "tp",
     dp: str | None = None,
+    fsdp: bool = False,
     column=COLUMN,
     row=ROW,
 ) -> dict[str, str]:
     """Megatron-LM tensor parallelism over ``tp`` (module docstring); with ``dp``, data
-    parallelism over that axis too."""
-    axes = _axes(mesh, [tp] + ([dp] if dp else []))
+    parallelism over that axis too, and with ``fsdp`` the parameters sharded over it."""
+    if fsdp and not dp:
+        raise ValueError("megatron(fsdp=True) shards the parameters over dp: name the dp axis")
+    _axes(mesh, [tp] + ([dp] if dp else []))
+
+    def place(tp_dim: str, dp_dim: str) -> str:
+        return _text(mesh, {tp: tp_dim, **({dp: dp_dim} if fsdp and dp else {})})
+
     out: dict[str, str] = {}
     for path, module in model.named_modules():
         leaf = path.rpartition(".")[2]
         prefix = f"{path}." if path else ""
         if isinstance(module, nn.Embedding):
-            out[f"{prefix}weight"] = _text(mesh, {tp: "S(0)"})  # vocabulary-parallel
+            out[f"{prefix}weight"] = place("S(0)", "S(1)")  # vocabulary-parallel
             continue
         if not (isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"):
             continue
         # nn.Linear: weight [out, in]; Conv1D: weight [in, out]
         out_dim, in_dim = ("S(0)", "S(1)") if isinstance(module, nn.Linear) else ("S(1)", "S(0)")
+        # with fsdp, dp shards the dim tp leaves whole (one dim over two axes nests)
         if _matches(path, column) or _matches(leaf, column):
-            out[f"{prefix}weight"] = _text(mesh, {tp: out_dim})
-            out[f"{prefix}bias"] = _text(mesh, {tp: "S(0)"})
+            out[f"{prefix}weight"] = place(out_dim, in_dim)
+            out[f"{prefix}bias"] = place("S(0)", "R")
         elif _matches(path, row) or _matches(leaf, row):
-            out[f"{prefix}weight"] = _text(mesh, {tp: in_dim})
-            out[f"{prefix}bias"] = _text(mesh, {})
+            out[f"{prefix}weight"] = place(in_dim, out_dim)
+            out[f"{prefix}bias"] = place("R", "S(0)")
     if not out:
         raise ValueError(
             "megatron: no embedding and no linear layer named as column- or row-parallel in "
             f"this model: pass column=... and row=... (patterns over module names; defaults "
             f"{COLUMN[:4]}..., {ROW[:4]}...)"
         )
-    # what no rule names (norms, the biases of row-parallel layers): replicated
+    # what no rule names (norms, the biases of row-parallel layers): replicated over tp
     params = {name for name, _ in model.named_parameters()}
     constraints = {k: v for k, v in out.items() if k in params}
-    constraints["*"] = _text(mesh, {})
+    constraints["*"] = place("R", "S(0)")
     if dp:
-        constraints.update(_batch(mesh, axes[1:]))
-        constraints[f"reshard:{dp}"] = "none"
+        constraints.update(_batch(mesh, [dp]))
+        constraints[f"reshard:{dp}"] = "params" if fsdp else "none"
     return constraints

@@ -136,6 +136,11 @@ Simplifications (each loses optimality only in the case it names):
        gradient-overlap term above) the objective rose 3.4% (4.548 -> 4.705 ms) while
        the solve dropped from 115 s to 13 s.
 
+Constraints (``pins``, ``frozen`` axes, ``forbid``) can need what the simplifications leave
+out (a pinned parameter resharded on two axes into its consumer): an ILP they make
+infeasible is solved again without either simplification (``stats["exact_ilp"]``, and a
+warning), so no constraint is refused because of them.
+
 What the solve reports (``solve``, ``read_solution``): ``status`` "optimal" (within the gap);
 "time_limit" when the clock stopped HiGHS with a plan in hand (the incumbent, the best bound
 and the gap go into the stats, and a warning into the plan); no plan at the time limit is a
@@ -1157,20 +1162,33 @@ def solve(
         raise ValueError(f"memory_budget: bytes, {DEVICE_BUDGET!r} or None; got {memory_budget!r}")
     else:
         budget = None if memory_budget is None else float(memory_budget)
-    ilp = build_ilp(space, profile, solver=solver, optimizer=optimizer, **options)
-    check_folding(space, ilp.folding.rep, list(pins))
-    for pin in pins:
-        pin_node(ilp, pin)
-    if frozen:
-        freeze_axes(ilp, frozen)
-    for choice in forbid:
-        forbid_choice(ilp, choice)
+
+    def attempt(options: dict) -> tuple[IlpBuilder, int, MemoryReport | None]:
+        ilp = build_ilp(space, profile, solver=solver, optimizer=optimizer, **options)
+        check_folding(space, ilp.folding.rep, list(pins))
+        for pin in pins:
+            pin_node(ilp, pin)
+        if frozen:
+            freeze_axes(ilp, frozen)
+        for choice in forbid:
+            forbid_choice(ilp, choice)
+        if budget is None:
+            status = _run(ilp, time_limit_s, mip_gap)
+            return ilp, status, ilp.evaluate(lv) if _solved(status) else None
+        return ilp, *_bounded(ilp, lv, budget, time_limit_s, mip_gap)
+
     t0 = time.perf_counter()
-    if budget is None:
-        status = _run(ilp, time_limit_s, mip_gap)
-        report = ilp.evaluate(lv) if _solved(status) else None
-    else:
-        status, report = _bounded(ilp, lv, budget, time_limit_s, mip_gap)
+    ilp, status, report = attempt(options)
+    exact = dict(options, merge=False, reshard_axes=space.mesh.ndim)
+    retried = False
+    if (pins or frozen or forbid) and status == pywraplp.Solver.INFEASIBLE and exact != options:
+        # NOTE: the simplifications (module docstring) leave out pairs that a constrained
+        # plan may need (a pinned parameter resharded on two axes into its consumer, a
+        # following node resharded right before it): constraints are never infeasible
+        # because of them, so the exact ILP is asked before saying no
+        log.info("the constraints admit no plan of the simplified ILP: solving it exactly")
+        ilp, status, report = attempt(exact)
+        options, retried = exact, True
     ilp_s = round(time.perf_counter() - t0, 6)
     if status == pywraplp.Solver.NOT_SOLVED:
         raise SolveError(
@@ -1204,6 +1222,12 @@ def solve(
     assert report is not None
     stats: dict[str, Any] = {**ilp.times, "ilp_s": ilp_s}
     warnings = []
+    if retried:
+        stats["exact_ilp"] = True
+        warnings.append(
+            "the constraints admit no plan without resharding right before a following node "
+            "or on several axes at once: solved without those simplifications"
+        )
     if budget is not None:
         stats.update(memory_budget=int(budget), memory_cuts=len(ilp.cuts))
         if report.peak_bytes > budget + _slack(budget):
