@@ -7,9 +7,12 @@ says so in its commit:
 
     python tests/unit/test_golden_plans.py --regenerate
 
-The files are gzipped: a 2-layer model's plan is ~10k lines of JSON. They are made with the
-pinned torch (``versions`` in each); on another torch the placements and the estimated cost
-(within 5%) must match, and the whole plan where the traced graph is the same.
+The files are gzipped. They are made with the pinned torch (``versions`` in each) and, for
+the ``hf-*`` examples, the ``transformers`` named in ``tests/golden/VERSIONS.json`` (the
+package is not pinned: users take the newest, and a release may build a model's masks with
+other ops). On another torch, or another transformers for its models, the placements and
+the estimated cost (within 5%) must match, and the whole plan where the traced graph is the
+same.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ import autopar
 from autopar.cli import plan_example
 
 GOLDEN = Path(__file__).resolve().parent.parent / "golden"
+# the versions of what the zoo's models come from, beside the plans' own ``versions``
+LIBRARIES = GOLDEN / "VERSIONS.json"
 
 # (example, mesh shape, axis names, device profile, memory fraction, fold)
 CASES = [
@@ -46,6 +51,24 @@ def _name(case) -> str:
     return f"{example}-{mesh}-{device}{budget}{'' if fold else '-nofold'}.json.gz"
 
 
+def _libraries() -> dict[str, str]:
+    import transformers
+
+    return {"transformers": transformers.__version__}
+
+
+def _drift(case, plan: dict, golden: dict) -> str | None:
+    """What differs from the golden's making that may change the trace, or None."""
+    if plan["versions"]["torch"] != golden["versions"]["torch"]:
+        return f"torch {plan['versions']['torch']} (golden: {golden['versions']['torch']})"
+    if case[0].startswith("hf-"):
+        want = json.loads(LIBRARIES.read_text())["transformers"]
+        have = _libraries()["transformers"]
+        if have != want:
+            return f"transformers {have} (golden: {want})"
+    return None
+
+
 def _plan_json(case) -> str:
     example, shape, axes, device, fraction, fold = case
     mesh = autopar.Mesh(shape, axes, device=device)
@@ -58,18 +81,18 @@ def test_plan_equals_the_committed_plan(case):
     want = gzip.decompress(path.read_bytes()).decode()
     got = _plan_json(case)
     a, b = json.loads(got), json.loads(want)
-    if a["versions"]["torch"] != b["versions"]["torch"]:
+    drift = _drift(case, a, b)
+    if drift is not None:
         # another torch (CI also runs the newest): its DTensor rules offer other candidate
-        # sets and its trace may differ by a few nodes, so the solver's statistics and the
-        # graph may change; the decisions a user sees must not
+        # sets and its trace may differ by a few nodes; another transformers may build the
+        # same model with other ops (its masks). The solver's statistics, the graph and the
+        # memory timeline's order may change; the decisions a user sees must not
         for key in ("params", "buffers", "inputs"):
-            assert a[key] == b[key], (
-                f"{path.name}: {key} placements changed on torch {a['versions']}"
-            )
+            assert a[key] == b[key], f"{path.name}: {key} placements changed on {drift}"
         assert a["cost"]["total_s"] == pytest.approx(b["cost"]["total_s"], rel=0.05)
         if a["fingerprint"] == b["fingerprint"]:  # the same graph: the same plan
             for key in set(a) - {"stats", "versions"}:
-                assert a[key] == b[key], f"{path.name}: {key} changed on torch {a['versions']}"
+                assert a[key] == b[key], f"{path.name}: {key} changed on {drift}"
         return
     if got != want:
         diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
@@ -83,6 +106,8 @@ def _regenerate() -> None:
         # mtime=0: the same plan gives the same bytes
         path.write_bytes(gzip.compress(_plan_json(case).encode(), mtime=0))
         print(f"wrote {path}")
+    LIBRARIES.write_text(json.dumps(_libraries(), indent=1) + "\n")
+    print(f"wrote {LIBRARIES}")
 
 
 if __name__ == "__main__":
