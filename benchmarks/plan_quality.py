@@ -1,8 +1,7 @@
 """autopar's plan against the expert plans, costed by the same cost model and memory model.
 
     python benchmarks/plan_quality.py [--models llama3-8b,gpt3,llama3-1b]
-        [--meshes 8,2x4,8x8,16x8]
-        [--precision bf16-mixed|fp32] [--check]
+        [--meshes 8,2x4,8x8,16x8] [--batch 16] [--precision bf16-mixed|fp32] [--check]
 
 For each model and mesh: autopar's plan (``autopar.plan`` at the device profile's usable
 memory), then each expert plan that applies to the mesh, as ``autopar/experts.py`` writes it
@@ -10,13 +9,13 @@ and ``autopar.evaluate`` costs it (the expert's placements of the parameters and
 pinned; the solver places the activations between at least cost; no memory bound, nothing
 checkpointed):
 
-    - DP (every parameter replicated, the batch split over the first axis; DDP);
-    - FSDP over the first axis (ZeRO-3);
-    - Megatron TP over the last axis, and on two axes Megatron TP over the last + DP over
-      the first.
+    - on one axis: DP (every parameter replicated, the batch split; DDP), FSDP (ZeRO-3),
+      and Megatron TP;
+    - on two: Megatron TP over the last axis with DP over the first, and with FSDP over
+      the first (torchtitan's 2-D plan; solved as the exact ILP, passes/solve).
 
-On a mesh of two axes, an axis a plan does not name is the solver's (DP over ``dp`` leaves
-``tp`` to it).
+(DP or FSDP over both axes of an (8, 8) mesh would split the batch (``--batch``, 16
+sequences) 64 ways: not a plan for this batch.)
 
 "x autopar" is the expert's estimated step time over autopar's (above 1: autopar's plan is
 faster); "fits" compares the expert's predicted peak per rank with the usable memory.
@@ -43,18 +42,21 @@ from autopar.passes.solve import SolveError
 
 
 def _experts(model, mesh: autopar.Mesh) -> list[tuple[str, dict]]:
-    """The expert plans for ``mesh``, labelled with the axes they fix (the others, if any,
-    are the solver's)."""
+    """The expert plans for ``mesh`` (module docstring), labelled with their axes."""
     axes = mesh.axis_names
-    data, model_axis = axes[0], axes[-1]
-    out = [(f"DP over {data}", experts.dp(mesh)), (f"FSDP over {data}", experts.fsdp(mesh))]
-    out.append((f"Megatron TP over {model_axis}", experts.megatron(model, mesh, tp=model_axis)))
-    if len(axes) > 1:
-        out.append(
-            (f"Megatron TP over {model_axis} + DP over {data}",
-             experts.megatron(model, mesh, tp=model_axis, dp=data))
-        )  # fmt: skip
-    return out
+    if len(axes) == 1:
+        (a,) = axes
+        return [
+            (f"DP over {a}", experts.dp(mesh)),
+            (f"FSDP over {a}", experts.fsdp(mesh)),
+            (f"Megatron TP over {a}", experts.megatron(model, mesh, tp=a)),
+        ]
+    data, tp = axes[0], axes[-1]
+    return [
+        (f"Megatron TP over {tp} + DP over {data}", experts.megatron(model, mesh, tp=tp, dp=data)),
+        (f"Megatron TP over {tp} + FSDP over {data}",
+         experts.megatron(model, mesh, tp=tp, dp=data, fsdp=True)),
+    ]  # fmt: skip
 
 
 def main() -> int:
@@ -62,11 +64,13 @@ def main() -> int:
     ap.add_argument("--models", default="llama3-8b,gpt3,llama3-1b")
     ap.add_argument("--meshes", default="8,2x4,8x8,16x8")
     ap.add_argument("--device", default="h100")
+    ap.add_argument("--batch", type=int, default=16, help="sequences of 2048 tokens per step")
     ap.add_argument("--precision", choices=["bf16-mixed", "fp32"], default="bf16-mixed")
     ap.add_argument("--check", action="store_true")
     args = ap.parse_args()
     print_header(
-        f"profile {args.device}; AdamW; {args.precision}; the cost model's estimates",
+        f"profile {args.device}; AdamW; {args.precision}; batch {args.batch} x 2048 tokens; "
+        "the cost model's estimates",
         ["model", "mesh", "plan", "est. step ms", "x autopar", "peak GiB/rank", "fits",
          "collectives/step", "wall s"],
     )  # fmt: skip
@@ -81,7 +85,7 @@ def main() -> int:
             axes = ("dp", "tp")[: len(shape)]
             mesh = autopar.Mesh(shape, axes, device=args.device)
             usable = get_profile(mesh.device).usable_memory
-            model, inputs, loss_fn, targets = EXAMPLES[name]()
+            model, inputs, loss_fn, targets = EXAMPLES[name](batch=args.batch)
             kw = dict(loss_fn=loss_fn, example_targets=targets, mp_policy=policy)
             t0 = time.perf_counter()
             ours = autopar.plan(model, mesh, inputs, **kw)
