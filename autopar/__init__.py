@@ -6,7 +6,7 @@ plans per-operator sharding over the mesh with an ILP on a cost model, and retur
 processes or weights.
 """
 
-from .api import PlanMismatchError, compile, evaluate, plan, plan_step
+from .api import PlanMismatchError, compile, evaluate, load_profile, plan, plan_step
 from .core import Mesh, MixedPrecision, NodeChoice, Plan, __version__, cast_parameters
 from .runtime import ParallelModule, PeerLostError
 
@@ -20,6 +20,7 @@ __all__ = [
     "PlanMismatchError",
     "compile",
     "evaluate",
+    "load_profile",
     "plan",
     "plan_step",
     "__version__",

@@ -30,6 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from . import plan_cache
 from .core import Mesh, MixedPrecision, Plan, parse_placements, placement_str
+from .cost_models import DeviceProfile, devices, register_profile
 from .passes.pins import Pin
 from .passes.pipeline import (
     COMPILE_STAGES,
@@ -42,11 +43,17 @@ from .passes.pipeline import (
 from .passes.trace import StepGraph
 from .runtime import ParallelModule, empty_local_shards, init_local_shards
 
-__all__ = ["plan", "compile", "evaluate", "plan_step", "PlanMismatchError"]
+__all__ = ["plan", "compile", "evaluate", "load_profile", "plan_step", "PlanMismatchError"]
 
 log = logging.getLogger("autopar")
 
 _SEARCH_STAGES = tuple(s.name for s in PLAN_STAGES)
+
+
+def load_profile(path: str | Path) -> DeviceProfile:
+    """Read a device profile's JSON (``autopar calibrate``) and plan with it from now on:
+    ``Mesh(shape, axes, device=autopar.load_profile("profile.json").name)``."""
+    return register_profile(devices.load_profile(path))
 
 
 class PlanMismatchError(ValueError):

@@ -11,6 +11,8 @@ autopar report plan.json -o r.html one self-contained HTML report (autopar/repor
 autopar verify MODEL --mesh 2x2    the parallel step beside one device, on local gloo ranks
 autopar run script.py --nproc N    a training script on N local processes (torch's launcher)
 autopar demo                       plan a small GPT, train it 3 steps on 4 gloo processes
+autopar calibrate -o profile.json  measure this machine into a device profile (autopar/calibrate.py);
+                                   plan and explain take it with --profile profile.json
 
 Every command takes ``--quiet`` (only errors, on stderr; the exit status says the rest) and
 ``--json`` (one JSON document on stdout, nothing else there). Bad input is one line on
@@ -139,10 +141,18 @@ class Output:
             sys.stdout.write(json.dumps(obj, indent=1, default=str) + "\n")
 
 
+def _device(args) -> str:
+    """The profile name to plan with: ``--profile PATH`` loaded (and registered), else
+    ``--device``."""
+    if getattr(args, "profile", None):
+        return api.load_profile(args.profile).name
+    return args.device
+
+
 def cmd_plan(args) -> int:
     out = Output(args)
     shape = args.mesh
-    mesh = Mesh(shape, _axes(shape, args.axes), device=args.device)
+    mesh = Mesh(shape, _axes(shape, args.axes), device=_device(args))
     budget = None if args.memory_budget_mib is None else args.memory_budget_mib * 2**20
     with stage_progress(out.text):  # a long plan is not silent
         plan = plan_example(
@@ -232,6 +242,8 @@ def _explained(r: dict) -> dict:
 def cmd_explain(args) -> int:
     out = Output(args)
     log_stages(False)
+    if args.profile:
+        api.load_profile(args.profile)
     plan = _load(args.plan)
     replan = _replanner(plan, args)
     if args.all:
@@ -423,6 +435,25 @@ def launch(script: str, nproc: int, script_args=(), *, quiet: bool = False) -> i
     return 0
 
 
+def cmd_calibrate(args) -> int:
+    out = Output(args)
+    from .calibrate import calibrate  # measuring is this command's alone
+
+    def log(line: str) -> None:
+        if out.text:
+            print(f"  {line}", file=sys.stderr, flush=True)
+
+    profile, measured = calibrate(
+        base=args.base, name=args.name, nproc=args.nproc, quick=args.quick, log=log
+    )
+    Path(args.output).write_text(profile.to_json())
+    out.json({"profile": json.loads(profile.to_json()), "measured": measured})
+    if out.text:
+        print(f"profile {profile.name!r} written to {args.output}")
+        print(f"plan with it: autopar plan MODEL --profile {args.output}")
+    return 0
+
+
 def _count(text: str) -> int:
     try:
         value = int(text)
@@ -486,6 +517,11 @@ def main(argv=None) -> int:
     )
     _model_args(pp)
     pp.add_argument("--device", default="h100", help="device profile (default h100)")
+    pp.add_argument(
+        "--profile",
+        default=None,
+        help="a device profile's JSON (autopar calibrate) to plan with, instead of --device",
+    )
     pp.add_argument(
         "--memory-budget-mib",
         type=_positive,
@@ -566,6 +602,9 @@ def main(argv=None) -> int:
     )
     pe.add_argument("--batch", type=int, default=None, help="its batch (default: as recorded)")
     pe.add_argument("--no-cache", action="store_true", help="plan the alternatives even if cached")
+    pe.add_argument(
+        "--profile", default=None, help="the device profile's JSON the plan was made with"
+    )
     pe.add_argument("--width", type=int, default=None, help="columns (default: the terminal's)")
     pe.set_defaults(fn=cmd_explain)
 
@@ -633,6 +672,25 @@ def main(argv=None) -> int:
         "(default 0.5)",
     )
     pd.set_defaults(fn=cmd_demo)
+
+    pc = sub.add_parser(
+        "calibrate",
+        parents=[common],
+        help="measure this machine's kernels and links into a device profile (JSON)",
+    )
+    pc.add_argument("-o", "--output", default="profile.json", help="(default profile.json)")
+    pc.add_argument(
+        "--base",
+        default=None,
+        help="the profile whose inter-node link and memory reserve it keeps (default: h100 "
+        "on CUDA, cpu otherwise)",
+    )
+    pc.add_argument("--name", default=None, help="the profile's name (default: device-host)")
+    pc.add_argument(
+        "--nproc", type=_count, default=2, help="local processes for the collectives (default 2)"
+    )
+    pc.add_argument("--quick", action="store_true", help="few small sizes (seconds, rough)")
+    pc.set_defaults(fn=cmd_calibrate)
 
     args = p.parse_args(argv)
     try:

@@ -1,6 +1,7 @@
 """Cost models: what an op or a redistribution costs, in seconds, on a device profile.
 
-``devices``: hardware constants (``DeviceProfile``, ``PROFILES``, ``get_profile``).
+``devices``: hardware constants (``DeviceProfile``, ``PROFILES``, ``get_profile``; a
+calibrated profile's JSON with ``load_profile`` / ``register_profile``).
 ``compute``: roofline time of one ATen op on local shapes (``compute_time``).
 ``comm``: alpha-beta collective times per mesh axis and DTensor redistribution cost
 (``redistribute_time``). Only the solver imports these (STYLE.md, 3).
@@ -15,22 +16,34 @@ from .comm import (
     redistribute_collectives,
     redistribute_time,
 )
-from .compute import compute_time, is_view_op, op_bytes, op_flops
-from .devices import PROFILES, DeviceProfile, get_profile
+from .compute import attention_flops, compute_time, is_view_op, kernel_kind, op_bytes, op_flops
+from .devices import (
+    KERNEL_KINDS,
+    PROFILES,
+    DeviceProfile,
+    get_profile,
+    load_profile,
+    register_profile,
+)
 
 __all__ = [
     "COLLECTIVE_KINDS",
+    "KERNEL_KINDS",
     "PROFILES",
     "Collective",
     "DeviceProfile",
+    "attention_flops",
     "axis_link",
     "collective_time",
     "collectives_time",
     "compute_time",
     "get_profile",
     "is_view_op",
+    "kernel_kind",
+    "load_profile",
     "op_bytes",
     "op_flops",
     "redistribute_collectives",
     "redistribute_time",
+    "register_profile",
 ]

@@ -5,14 +5,25 @@ tensor shape and dtype, and a ``Mesh``; returns the collectives DTensor runs to 
 (``redistribute_collectives``) and their time in seconds (``redistribute_time``). Nothing to
 do (same placements, or only local steps such as Replicate -> Shard) gives ``[]`` and 0.0.
 
-Alpha-beta model of a ring collective over ``n`` ranks (``collective_time``), with ``a`` the
-latency of one ring step and ``bw`` the per-rank link bandwidth (bytes/s)::
+Alpha-beta model of a collective over ``n`` ranks (``collective_time``), with ``o`` the
+fixed cost of one call (``DeviceProfile.collective_overhead``), ``a`` the latency of one
+step and ``bw`` the per-rank link bandwidth (bytes/s). Ring algorithms::
 
-    all_gather:      (n-1) * a  +   (n-1)/n * S / bw     S = bytes of the gathered (full) tensor
-    reduce_scatter:  (n-1) * a  +   (n-1)/n * S / bw     S = bytes of the input (full) tensor
-    all_reduce:    2*(n-1) * a  + 2*(n-1)/n * S / bw     S = bytes of the tensor
-    all_to_all:      (n-1) * a  +   (n-1)/n * S / bw     S = bytes of one rank's local buffer
+    all_gather:      o +   (n-1) * a  +   (n-1)/n * S / bw   S = bytes of the gathered tensor
+    reduce_scatter:  o +   (n-1) * a  +   (n-1)/n * S / bw   S = bytes of the input tensor
+    all_reduce:      o + 2*(n-1) * a  + 2*(n-1)/n * S / bw   S = bytes of the tensor
+    all_to_all:      o +   (n-1) * a  +   (n-1)/n * S / bw   S = bytes of one rank's buffer
     n == 1: 0
+
+An all-reduce may also run as a tree (NCCL's double binary tree: a reduce up and a
+broadcast down, ``ceil(log2 n)`` steps each, every rank sending and receiving the whole
+tensor once each way)::
+
+    all_reduce (tree):  o + 2*ceil(log2 n) * a  +  2 * S / bw
+
+and the library picks the fastest of the algorithms the profile names
+(``DeviceProfile.all_reduce_algorithms``): the tree for small tensors over many ranks,
+where the ring's 2(n-1) latencies dominate, the ring for large ones.
 
 "Full" means unsharded along the axis the collective runs on; the tensor may still be sharded
 on other axes, which makes S smaller.
@@ -96,15 +107,22 @@ def axis_link(mesh: Mesh, axis: int, profile: DeviceProfile | None = None) -> tu
     return profile.inter_node_latency, profile.inter_node_bandwidth
 
 
-def collective_time(kind: str, nbytes: float, n: int, latency: float, bandwidth: float) -> float:
-    """Alpha-beta ring time in seconds of one collective over ``n`` ranks.
+def collective_time(
+    kind: str,
+    nbytes: float,
+    n: int,
+    latency: float,
+    bandwidth: float,
+    *,
+    overhead: float = 0.0,
+    algorithms: Sequence[str] = ("ring",),
+) -> float:
+    """Alpha-beta time in seconds of one collective over ``n`` ranks (module docstring).
 
     ``nbytes`` is the full (unsharded along the axis) tensor for all_gather / reduce_scatter /
-    all_reduce, the local buffer for all_to_all::
-
-        all_gather, reduce_scatter, all_to_all:   (n-1)*latency + (n-1)/n * nbytes / bandwidth
-        all_reduce:                             2*(n-1)*latency + 2*(n-1)/n * nbytes / bandwidth
-        n == 1: 0
+    all_reduce, the local buffer for all_to_all. ``overhead`` is added once per call;
+    ``algorithms`` are those an all-reduce may run as (``"ring"``, ``"tree"``), the fastest
+    taken. A group of one costs 0.
     """
     if kind not in COLLECTIVE_KINDS:
         raise ValueError(f"unknown collective kind {kind!r}; use one of {COLLECTIVE_KINDS}")
@@ -113,9 +131,18 @@ def collective_time(kind: str, nbytes: float, n: int, latency: float, bandwidth:
     if n == 1:
         return 0.0
     steps = n - 1
-    t = steps * latency + steps / n * nbytes / bandwidth
+    ring = steps * latency + steps / n * nbytes / bandwidth
+    if kind != "all_reduce":
+        return overhead + ring
     # NOTE: ring all_reduce = reduce_scatter + all_gather, hence twice each term.
-    return 2.0 * t if kind == "all_reduce" else t
+    times = []
+    if "ring" in algorithms:
+        times.append(2.0 * ring)
+    if "tree" in algorithms:
+        times.append(2 * math.ceil(math.log2(n)) * latency + 2.0 * nbytes / bandwidth)
+    if not times:
+        raise ValueError(f"no all-reduce algorithm among {tuple(algorithms)}; use ring or tree")
+    return overhead + min(times)
 
 
 def collectives_time(
@@ -130,7 +157,15 @@ def collectives_time(
                 f"{c} does not fit mesh {mesh}: axis {c.axis} must exist and have group_size ranks"
             )
         latency, bandwidth = axis_link(mesh, c.axis, profile)
-        total += collective_time(c.kind, c.nbytes, c.group_size, latency, bandwidth)
+        total += collective_time(
+            c.kind,
+            c.nbytes,
+            c.group_size,
+            latency,
+            bandwidth,
+            overhead=profile.collective_overhead,
+            algorithms=profile.all_reduce_algorithms,
+        )
     return total
 
 

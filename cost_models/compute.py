@@ -8,12 +8,15 @@ means "a tensor of this shape". Returns seconds.
 
 The model, for an op that runs a kernel::
 
-    t(op) = max(F / P(dtype), B / W) + L
+    t(op) = max(F / P(kind, dtype, F), B / W) + L
 
     F  FLOPs of the op                                  ``op_flops``
-    P  peak FLOP/s of the device for the dtype          ``DeviceProfile.flops_for``
+    P  sustained FLOP/s of this kind of kernel at this size in this dtype
+       (``DeviceProfile.kernel_rate``): GEMMs (mm, addmm, bmm, baddbmm, convolutions) and
+       fused attention (autopar's sdpa, torch's flash / memory-efficient / cuDNN attention)
+       by their curves, anything else at the dtype's peak (``DeviceProfile.flops_for``)
     B  bytes read + written = sum over tensors of numel * element size   ``op_bytes``
-    W  device memory bandwidth                          ``DeviceProfile.mem_bandwidth``
+    W  device memory bandwidth that copies reach        ``DeviceProfile.mem_bandwidth``
     L  fixed per-op overhead                            ``DeviceProfile.kernel_launch``
 
 ``compute_time`` puts the terms together. F comes from ``torch.utils.flop_counter``'s
@@ -46,9 +49,43 @@ from autopar.core import ops  # noqa: F401 - defines torch.ops.autopar, priced b
 
 from .devices import DeviceProfile
 
-__all__ = ["attention_flops", "compute_time", "is_view_op", "op_bytes", "op_flops"]
+__all__ = [
+    "attention_flops",
+    "compute_time",
+    "is_view_op",
+    "kernel_kind",
+    "op_bytes",
+    "op_flops",
+]
 
 aten = torch.ops.aten
+
+# The ops each size curve of a profile prices (``DeviceProfile.kernel_rates``).
+_KERNEL_PACKETS = {
+    "matmul": (
+        aten.mm,
+        aten.addmm,
+        aten.bmm,
+        aten.baddbmm,
+        aten.convolution,
+        aten.convolution_backward,
+    ),
+    "attention": (
+        torch.ops.autopar.sdpa,
+        aten._scaled_dot_product_flash_attention,
+        aten._scaled_dot_product_flash_attention_for_cpu,
+        aten._scaled_dot_product_efficient_attention,
+        aten._scaled_dot_product_cudnn_attention,
+    ),
+    "attention_backward": (
+        torch.ops.autopar.sdpa_backward,
+        aten._scaled_dot_product_flash_attention_backward,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward,
+        aten._scaled_dot_product_efficient_attention_backward,
+        aten._scaled_dot_product_cudnn_attention_backward,
+    ),
+}
+_KIND_OF_PACKET = {p: kind for kind, packets in _KERNEL_PACKETS.items() for p in packets}
 
 
 def attention_flops(q_shape, k_shape, v_shape, is_causal: bool, *, backward: bool) -> float:
@@ -141,6 +178,12 @@ def _runs_no_kernel(op: Any) -> bool:
     return is_view_op(op) or _packet(op) in _NO_KERNEL_PACKETS
 
 
+def kernel_kind(op: Any) -> str | None:
+    """The ``KERNEL_KINDS`` curve that prices ``op`` ("matmul", "attention",
+    "attention_backward"), or None for an op priced at the dtype's peak."""
+    return _KIND_OF_PACKET.get(_packet(op))
+
+
 def _written_sizes(op: Any, args: tuple, kwargs: dict, out: Any) -> list[torch.Size]:
     """Shapes the op writes: its outputs, or, when it returns no tensor (``_foreach_add_``),
     the arguments its schema marks as mutated (``Tensor(a!)``)."""
@@ -225,5 +268,7 @@ def compute_time(
     flops = op_flops(op, args, kwargs, out)
     if nbytes is None:
         nbytes = op_bytes([(s, dtype) for s in read], [(s, dtype) for s in written])
-    roof = max(flops / profile.flops_for(dtype), nbytes / profile.mem_bandwidth)
+    kind = kernel_kind(op)
+    rate = profile.flops_for(dtype) if kind is None else profile.kernel_rate(kind, dtype, flops)
+    roof = max(flops / rate, nbytes / profile.mem_bandwidth)
     return roof + profile.kernel_launch

@@ -3,23 +3,50 @@
 A ``DeviceProfile`` holds what the roofline compute model (``cost_models.compute``) and the
 alpha-beta communication model (``cost_models.comm``) need about one kind of accelerator and
 its links. Nothing else in the cost models holds a hardware number: every constant lives in
-``PROFILES`` beside the place it comes from (a datasheet, or a measurement).
+``PROFILES`` beside the place it comes from (a datasheet, a published measurement, an
+estimate said to be one, or ``autopar calibrate`` on the machine).
 
 Units: seconds, bytes, bytes/s and FLOP/s everywhere.
+
+Kernels whose speed depends on their size (``kernel_rates``): a GEMM reaches its peak only
+when it is large (tile and wave quantization, the fixed cost of a launch), and a fused
+attention kernel runs well below a GEMM's rate. A curve holds ``(FLOPs of one call,
+sustained FLOP/s)`` points for one kind of kernel and dtype; ``kernel_rate`` interpolates it
+linearly in log FLOPs and holds its end values outside it. A kind or dtype without a curve
+runs at ``peak_flops``.
 
 Profiles:
     ``"h100"``: NVIDIA H100 SXM5 80GB in an 8-GPU HGX/DGX node, NVLink4 inside a node,
         one InfiniBand NDR NIC per GPU between nodes.
     ``"cpu"``: a rough profile of a small CPU box running gloo, for the CPU test setup only.
+    A calibrated profile (``autopar calibrate``, a JSON file) joins them with
+    ``register_profile(load_profile(path))``; the CLI's ``--profile PATH`` does that.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+import math
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 
 import torch
 
-__all__ = ["DeviceProfile", "PROFILES", "get_profile"]
+__all__ = [
+    "KERNEL_KINDS",
+    "DeviceProfile",
+    "PROFILES",
+    "get_profile",
+    "load_profile",
+    "register_profile",
+]
+
+# Kernels priced by a size curve (``DeviceProfile.kernel_rates``); compute.kernel_kind maps
+# ops to them.
+KERNEL_KINDS = ("matmul", "attention", "attention_backward")
+ALL_REDUCE_ALGORITHMS = ("ring", "tree")
+
+Curve = tuple[tuple[float, float], ...]
 
 # The dtypes every profile must price; others fall back to float32 (``flops_for``).
 _REQUIRED_DTYPES = ("float64", "float32", "bfloat16", "float16")
@@ -76,6 +103,19 @@ class DeviceProfile:
     source: str
     """Where the numbers come from (datasheet, measurement, estimate)."""
 
+    kernel_rates: tuple[tuple[str, str, Curve], ...] = ()
+    """Sustained FLOP/s by size, as ``(kind, dtype name, ((FLOPs of one call, FLOP/s), ...))``
+    with ``kind`` in ``KERNEL_KINDS`` and the points in increasing FLOPs (module docstring).
+    Without a curve a kernel runs at ``peak_flops``."""
+
+    collective_overhead: float = 0.0
+    """Fixed seconds of every collective call besides its ring or tree steps (the launch of
+    its kernel and the handshake that starts it)."""
+
+    all_reduce_algorithms: tuple[str, ...] = ("ring",)
+    """Algorithms the collective library picks from for an all-reduce, the fastest for each
+    size (NCCL: ring and tree; gloo: ring); see ``comm.collective_time``."""
+
     def __post_init__(self):
         names = [n for n, _ in self.peak_flops]
         if len(set(names)) != len(names):
@@ -101,6 +141,27 @@ class DeviceProfile:
         for field in ("intra_node_latency", "inter_node_latency", "kernel_launch"):
             if getattr(self, field) < 0:
                 raise ValueError(f"profile {self.name!r}: {field} must be >= 0")
+        if self.collective_overhead < 0:
+            raise ValueError(f"profile {self.name!r}: collective_overhead must be >= 0")
+        algos = self.all_reduce_algorithms
+        if not algos or any(a not in ALL_REDUCE_ALGORITHMS for a in algos):
+            raise ValueError(
+                f"profile {self.name!r}: all_reduce_algorithms must be some of "
+                f"{ALL_REDUCE_ALGORITHMS}, got {algos}"
+            )
+        seen = set()
+        for kind, dtype_name, curve in self.kernel_rates:
+            where = f"profile {self.name!r}: kernel_rates {kind}/{dtype_name}"
+            if kind not in KERNEL_KINDS:
+                raise ValueError(f"{where}: kind must be one of {KERNEL_KINDS}")
+            if (kind, dtype_name) in seen:
+                raise ValueError(f"{where}: given twice")
+            seen.add((kind, dtype_name))
+            works = [w for w, _ in curve]
+            if not curve or any(not (w > 0 and r > 0) for w, r in curve):
+                raise ValueError(f"{where}: needs points (FLOPs > 0, FLOP/s > 0)")
+            if any(b <= a for a, b in zip(works, works[1:])):
+                raise ValueError(f"{where}: FLOPs must increase from point to point")
 
     @property
     def usable_memory(self) -> float:
@@ -118,15 +179,89 @@ class DeviceProfile:
                 fallback = flops
         return fallback
 
+    def kernel_rate(self, kind: str, dtype: torch.dtype, flops: float) -> float:
+        """Sustained FLOP/s of a ``kind`` kernel of ``flops`` FLOPs in ``dtype``: its curve
+        interpolated linearly in log FLOPs, held at the ends; ``flops_for(dtype)`` without
+        a curve for that kind and dtype."""
+        name = _dtype_name(dtype)
+        curve = next((c for k, d, c in self.kernel_rates if k == kind and d == name), None)
+        if curve is None:
+            return self.flops_for(dtype)
+        if flops <= curve[0][0]:
+            return curve[0][1]
+        if flops >= curve[-1][0]:
+            return curve[-1][1]
+        x = math.log(flops)
+        for (w0, r0), (w1, r1) in zip(curve, curve[1:]):
+            if flops <= w1:
+                f = (x - math.log(w0)) / (math.log(w1) - math.log(w0))
+                return r0 + f * (r1 - r0)
+        raise AssertionError("unreachable: flops is inside the curve")
+
+    def to_json(self) -> str:
+        """The profile as JSON (``load_profile`` reads it back)."""
+        return json.dumps(asdict(self), indent=1) + "\n"
+
+    @classmethod
+    def from_dict(cls, d: dict) -> DeviceProfile:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown profile fields {unknown}; a profile has {sorted(known)}")
+        d = dict(d)
+        d["peak_flops"] = tuple((str(n), float(f)) for n, f in d["peak_flops"])
+        d["kernel_rates"] = tuple(
+            (str(k), str(t), tuple((float(w), float(r)) for w, r in curve))
+            for k, t, curve in d.get("kernel_rates", ())
+        )
+        d["all_reduce_algorithms"] = tuple(d.get("all_reduce_algorithms", ("ring",)))
+        return cls(**d)
+
+
+def load_profile(path: str | Path) -> DeviceProfile:
+    """A profile from a JSON file (``DeviceProfile.to_json``, ``autopar calibrate``); errors
+    name the file."""
+    path = Path(path)
+    try:
+        return DeviceProfile.from_dict(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        detail = f"missing field {e}" if isinstance(e, KeyError) else str(e)
+        raise ValueError(f"{path}: not a device profile: {detail}") from None
+
+
+def register_profile(profile: DeviceProfile) -> DeviceProfile:
+    """Make ``profile`` the one ``Mesh(..., device=profile.name)`` plans with (replacing a
+    profile of that name); returns it."""
+    PROFILES[profile.name] = profile
+    return profile
+
 
 _H100_SOURCE = (
     "NVIDIA H100 Tensor Core GPU datasheet, H100 SXM5 80GB column (dense = half the "
     "'with sparsity' figures): FP64 tensor core 67 TF, FP32 67 TF, TF32 tensor core 494.5 TF, "
     "BF16/FP16 tensor core 989.5 TF, FP8 1979 TF, HBM3 3.35 TB/s, 80 GB, NVLink4 900 GB/s "
     "total bidirectional per GPU, 8 GPUs per HGX/DGX H100 node; InfiniBand NDR 400 Gb/s, one "
-    "ConnectX-7 per GPU (DGX H100 user guide). Latencies and kernel_launch are estimates, not "
-    "datasheet values."
+    "ConnectX-7 per GPU (DGX H100 user guide). What runs reaches less, and those numbers are "
+    "published measurements or estimates, each marked at its field: the best cuBLAS BF16 "
+    "GEMMs sustain ~790 TF; the memory-efficient attention kernel autopar's sdpa runs on CUDA "
+    "about half of FlashAttention-2's ~350 TF forward (estimate); "
+    "NCCL over NDR reaches 46-48 GB/s of bus bandwidth; the smallest all-reduce over 64 "
+    "ranks (8 nodes) takes ~47 us. `autopar calibrate` on the machine measures them."
 )
+
+# estimates of cuBLAS square GEMMs on an H100 SXM (n = 512, 1024, 2048, 4096, 8192: FLOPs
+# 2 n^3), shaped by published benchmarks: small GEMMs are launch- and wave-bound, the top
+# is the ~790 TF the best measured BF16 GEMMs sustain
+_H100_MATMUL_BF16 = ((2.7e8, 80e12), (2.1e9, 300e12), (1.7e10, 580e12), (1.4e11, 720e12),
+                     (1.1e12, 790e12))  # fmt: skip
+# float32 without TF32 (torch's default precision "highest") runs on the CUDA cores
+_H100_MATMUL_F32 = ((2.7e8, 10e12), (2.1e9, 25e12), (1.7e10, 45e12), (1.4e11, 51e12))
+# the kernel autopar::sdpa calls on CUDA (core/ops.py): torch's memory-efficient attention
+# (CUTLASS code written for sm80), estimated at about half of FlashAttention-2's ~350 TF
+# forward on H100 at long sequences, its backward ~0.7 of its forward; short sequences far
+# less (estimates)
+_H100_ATTN_FWD = ((1e9, 60e12), (1e11, 170e12), (1e12, 200e12))
+_H100_ATTN_BWD = ((1e9, 40e12), (1e11, 120e12), (1e12, 140e12))
 
 _CPU_SOURCE = (
     "Rough estimate for a small CPU box running gloo, not a datasheet: FLOP/s measured "
@@ -150,7 +285,8 @@ PROFILES: dict[str, DeviceProfile] = {
             ("float8_e4m3fn", 1979e12),
             ("float8_e5m2", 1979e12),
         ),
-        mem_bandwidth=3.35e12,  # HBM3, 3.35 TB/s
+        # estimate: ~90% of HBM3's 3.35 TB/s, what large copy kernels reach
+        mem_bandwidth=3.0e12,
         # NOTE: the datasheet's 80 GB; nvidia-smi reports 81559 MiB (~85.5e9 bytes) total, of
         # which the CUDA context and allocator fragmentation take some, so 80e9 is a usable bound.
         mem_capacity=80e9,
@@ -158,12 +294,28 @@ PROFILES: dict[str, DeviceProfile] = {
         # fragmentation ~2 GB (5% of a full card): 76 GB (70.8 GiB) left to the step
         mem_reserve=4e9,
         ranks_per_node=8,  # HGX/DGX H100: 8 GPUs per node
-        intra_node_latency=3e-6,  # estimate: one NCCL ring step over NVLink, a few us
-        intra_node_bandwidth=450e9,  # NVLink4: 900 GB/s bidirectional = 450 GB/s each way
-        inter_node_latency=10e-6,  # estimate: one ring step over InfiniBand, ~10 us
-        inter_node_bandwidth=50e9,  # InfiniBand NDR 400 Gb/s per GPU = 50 GB/s
+        intra_node_latency=2e-6,  # estimate: one NCCL step over NVLink (LL protocol)
+        # NVLink4: 900 GB/s bidirectional = 450 GB/s each way, about the bus bandwidth NCCL's
+        # all-reduce reports on 8 H100 SXM
+        intra_node_bandwidth=450e9,
+        # estimate: one NCCL step over InfiniBand; with collective_overhead, the smallest
+        # all-reduce over (8 nodes) x (8 GPUs) is charged 5 + 6*5 + 5 + 6*2 = 52 us (tree on
+        # each axis) against the ~47 us measured
+        inter_node_latency=5e-6,
+        inter_node_bandwidth=47e9,  # measured: NCCL reaches 46-48 GB/s over NDR 400 Gb/s
         kernel_launch=4e-6,  # estimate: CUDA launch + eager dispatch, a few us per op
         source=_H100_SOURCE,
+        kernel_rates=(
+            ("matmul", "bfloat16", _H100_MATMUL_BF16),
+            ("matmul", "float16", _H100_MATMUL_BF16),
+            ("matmul", "float32", _H100_MATMUL_F32),
+            ("attention", "bfloat16", _H100_ATTN_FWD),
+            ("attention", "float16", _H100_ATTN_FWD),
+            ("attention_backward", "bfloat16", _H100_ATTN_BWD),
+            ("attention_backward", "float16", _H100_ATTN_BWD),
+        ),
+        collective_overhead=5e-6,  # estimate: launching an NCCL kernel and its handshake
+        all_reduce_algorithms=("ring", "tree"),  # NCCL picks per size
     ),
     "cpu": DeviceProfile(
         name="cpu",

@@ -1,7 +1,8 @@
 """Run a function on N local processes joined in a gloo process group.
 
 ``run_local(fn, world_size, *args)`` spawns ``world_size`` processes on this machine, each
-initialises ``torch.distributed`` with gloo on 127.0.0.1 at a free port, calls
+initialises ``torch.distributed`` with gloo (or ``backend="nccl"``: rank r on CUDA device r)
+on 127.0.0.1 at a free port, calls
 ``fn(rank, world_size, *args)``, and sends its return value back; the parent returns the
 list of results in rank order, or raises with the failing rank's traceback (or, for a
 process that died without reporting, its exit code, within ``_POLL_S``). A rank that died
@@ -33,12 +34,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, queue):
+def _worker(rank, world_size, port, fn, args, queue, backend="gloo"):
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
         queue.put((rank, True, result))
     except BaseException:  # noqa: BLE001 - report every failure to the parent
@@ -48,13 +51,15 @@ def _worker(rank, world_size, port, fn, args, queue):
             dist.destroy_process_group()
 
 
-def run_local(fn, world_size: int, *args, timeout_s: float = 900.0):
-    """Call ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes."""
+def run_local(fn, world_size: int, *args, timeout_s: float = 900.0, backend: str = "gloo"):
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` gloo (or nccl) processes."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue), daemon=False)
+        ctx.Process(
+            target=_worker, args=(r, world_size, port, fn, args, queue, backend), daemon=False
+        )
         for r in range(world_size)
     ]
     for p in procs:

@@ -1,0 +1,340 @@
+"""``autopar calibrate``: measure this machine's kernels and links into a device profile.
+
+The cost model (cost_models) prices a plan with a ``DeviceProfile``. The built-in ones hold
+datasheet peaks and published measurements; this module measures the machine it runs on
+(the CPU with gloo, or CUDA devices with NCCL) and writes a profile JSON that ``autopar plan
+--profile PATH`` and ``autopar.load_profile(PATH)`` take.
+
+What is measured, each as the median of timed repetitions after warm-up:
+
+    matmul curves       torch.mm of n x n by n x n, per dtype, for growing n: points
+                        (2 n^3 FLOPs, FLOP/s) of ``kernel_rates["matmul"]``; the fastest rate
+                        of each dtype is its ``peak_flops``
+    attention curves    autopar's sdpa and sdpa_backward (the kernels the emitted step runs,
+                        core/ops.py) for growing sequence lengths, causal: points of
+                        ``kernel_rates["attention"]`` / ``["attention_backward"]``
+    mem_bandwidth       a clone of a large tensor: bytes read + written over its time
+    kernel_launch       a one-element add: the fixed cost of an op
+    the intra-node link N local processes run all_reduce, all_gather, reduce_scatter and
+                        all_to_all at sizes from KiB to MiB; the model of cost_models.comm,
+                        ``t = o + steps(kind, n) a + factor(kind, n) S / bw``, is fitted to
+                        them by least squares over relative errors with o, a, 1/bw >= 0
+                        (``fit_link``), giving ``collective_overhead``,
+                        ``intra_node_latency`` and ``intra_node_bandwidth``
+
+A kernel's FLOP/s is its FLOPs over its time less ``kernel_launch`` (the cost model adds
+that back once), so small kernels are not charged the launch twice. Compute runs on as many
+threads as a rank of the local launcher uses (one on the CPU, runtime/launch), so a CPU
+profile prices what a gloo rank computes. What one machine cannot show comes from the base
+profile (``--base``) and the source says so: the inter-node link, the memory reserve, and
+``all_reduce_algorithms``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import functools
+import itertools
+import math
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .core import ops
+from .cost_models import (
+    DeviceProfile,
+    attention_flops,
+    collective_time,
+    get_profile,
+)
+from .runtime.launch import run_local
+
+__all__ = ["Sample", "calibrate", "fit_link", "measure_collectives"]
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+_DTYPES = ("float32", "float64", "bfloat16", "float16")
+
+# (matmul sizes n, attention sequence lengths, collective bytes, repetitions): full and quick
+_PLANS = {
+    "cpu": ((64, 128, 256, 512, 1024), (128, 256, 512, 1024), (2**12, 2**16, 2**20, 2**23), 5),
+    "cuda": (
+        (256, 512, 1024, 2048, 4096, 8192),
+        (512, 1024, 2048, 4096, 8192),
+        (2**12, 2**16, 2**20, 2**24, 2**27),
+        10,
+    ),
+    "quick": ((32, 64, 128), (64, 128), (2**12, 2**18, 2**22), 3),
+}
+
+Sample = tuple[str, int, float, float]
+"""One collective measured: ``(kind, ranks, bytes as the cost model counts them, seconds)``."""
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_time(fn: Callable[[], object], device: torch.device, reps: int) -> float:
+    fn()  # warm-up (allocations, kernel selection)
+    _sync(device)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_launch(device: torch.device, reps: int = 200) -> float:
+    """Seconds of one one-element add (per op, over a run of them)."""
+    x = torch.ones(1, device=device)
+    runs = 50
+
+    def many():
+        for _ in range(runs):
+            torch.add(x, 1.0)
+
+    return _median_time(many, device, max(3, reps // runs)) / runs
+
+
+def measure_bandwidth(device: torch.device, numel: int, reps: int) -> float:
+    """Bytes/s of cloning a float32 tensor of ``numel`` elements (read + write)."""
+    x = torch.empty(numel, device=device).fill_(1.0)
+    t = _median_time(lambda: x.clone(), device, reps)
+    return 2 * numel * 4 / t
+
+
+def _rate(flops: float, seconds: float, launch: float) -> float:
+    # the cost model adds kernel_launch to every op: the rate is what remains
+    return flops / max(seconds - launch, seconds / 2)
+
+
+def measure_matmul(
+    device: torch.device, dtype: torch.dtype, sizes: Sequence[int], reps: int, launch: float
+) -> tuple[tuple[float, float], ...]:
+    """``((2 n^3, FLOP/s), ...)`` of n x n matmuls in ``dtype``."""
+    points = []
+    for n in sizes:
+        a = torch.randn(n, n, device=device).to(dtype)
+        b = torch.randn(n, n, device=device).to(dtype)
+        t = _median_time(functools.partial(torch.mm, a, b), device, reps)
+        points.append((2.0 * n**3, _rate(2.0 * n**3, t, launch)))
+    return tuple(points)
+
+
+def measure_attention(
+    device: torch.device, dtype: torch.dtype, seqs: Sequence[int], reps: int, launch: float
+) -> tuple[tuple[tuple[float, float], ...], tuple[tuple[float, float], ...]]:
+    """Forward and backward ``(FLOPs, FLOP/s)`` points of autopar's causal sdpa, 8 heads of
+    64, batch 1."""
+    fwd, bwd = [], []
+    for s in seqs:
+        shape = (1, 8, s, 64)
+        q, k, v = (torch.randn(shape, device=device).to(dtype) for _ in range(3))
+        scale = 1 / math.sqrt(64)
+        out, lse = ops.sdpa(q, k, v, None, True, scale)
+        forward = functools.partial(ops.sdpa, q, k, v, None, True, scale)
+        backward = functools.partial(ops.sdpa_backward, out, q, k, v, out, lse, None, True, scale)
+        t_f = _median_time(forward, device, reps)
+        t_b = _median_time(backward, device, reps)
+        f_f = attention_flops(shape, shape, shape, True, backward=False)
+        f_b = attention_flops(shape, shape, shape, True, backward=True)
+        fwd.append((f_f, _rate(f_f, t_f, launch)))
+        bwd.append((f_b, _rate(f_b, t_b, launch)))
+    return tuple(fwd), tuple(bwd)
+
+
+def _collective_rank(rank: int, world: int, sizes: Sequence[int], reps: int, device_type: str):
+    """On every rank: each kind at each size; ``(kind, bytes, seconds)`` medians."""
+    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    out = []
+    for kind, nbytes in itertools.product(KINDS, sizes):
+        numel = max(world, nbytes // 4 // world * world)
+        full = torch.ones(numel, device=device)
+        part = torch.ones(numel // world, device=device)
+        recv = torch.empty(numel, device=device)
+        calls = {
+            "all_reduce": functools.partial(dist.all_reduce, full),
+            "all_gather": functools.partial(gather, recv, part),
+            "reduce_scatter": functools.partial(scatter, part, full),
+            "all_to_all": functools.partial(dist.all_to_all_single, recv, full),
+        }
+        fn = calls[kind]
+        times = []
+        for i in range(reps + 1):
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            if i:  # the first is the warm-up
+                times.append(time.perf_counter() - t0)
+        out.append((kind, numel * 4, statistics.median(times)))
+    return out
+
+
+def measure_collectives(
+    nproc: int, sizes: Sequence[int], reps: int, *, device_type: str = "cpu"
+) -> list[Sample]:
+    """Every kind at every size on ``nproc`` local processes (gloo on the CPU, NCCL on CUDA);
+    a sample's time is the slowest rank's median."""
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    per_rank = run_local(_collective_rank, nproc, tuple(sizes), reps, device_type, backend=backend)
+    return [
+        (kind, nproc, float(nbytes), max(r[i][2] for r in per_rank))
+        for i, (kind, nbytes, _) in enumerate(per_rank[0])
+    ]
+
+
+def _terms(kind: str, n: int, nbytes: float) -> tuple[float, float, float]:
+    """Coefficients of (overhead, latency, seconds per byte) in the ring model."""
+    steps = n - 1
+    if kind == "all_reduce":
+        return 1.0, 2.0 * steps, 2.0 * steps / n * nbytes
+    return 1.0, float(steps), steps / n * nbytes
+
+
+def fit_link(samples: Sequence[Sample]) -> tuple[float, float, float]:
+    """``(overhead_s, latency_s, bandwidth_Bps)`` of the ring model that best fits
+    ``samples`` in relative error, every term >= 0 (each subset of the terms is solved by
+    least squares, the best non-negative solution kept)."""
+    if not samples:
+        raise ValueError("no collective samples to fit")
+    a = np.array([_terms(k, n, b) for k, n, b, _ in samples], dtype=float)
+    t = np.array([s[3] for s in samples], dtype=float)
+    a_rel, ones = a / t[:, None], np.ones(len(t))
+    best: tuple[float, np.ndarray] | None = None
+    for cols in itertools.chain.from_iterable(
+        itertools.combinations(range(3), r) for r in (1, 2, 3)
+    ):
+        if 2 not in cols:  # without a bandwidth the model cannot grow with size
+            continue
+        x, *_ = np.linalg.lstsq(a_rel[:, cols], ones, rcond=None)
+        if (x < 0).any():
+            continue
+        full = np.zeros(3)
+        full[list(cols)] = x
+        err = float(np.sum((a_rel @ full - 1.0) ** 2))
+        if best is None or err < best[0]:
+            best = (err, full)
+    # the bandwidth must explain a part of the largest message's time, else it is noise
+    largest = int(np.argmax(a[:, 2]))
+    if best is None or best[1][2] * a[largest, 2] < 0.05 * t[largest]:
+        raise ValueError(
+            "the collective times do not grow with size: cannot fit a bandwidth "
+            "(measure larger messages)"
+        )
+    overhead, latency, inv_bw = best[1]
+    return float(overhead), float(latency), float(1.0 / inv_bw)
+
+
+def link_errors(
+    samples: Sequence[Sample], overhead: float, latency: float, bandwidth: float
+) -> list[float]:
+    """Relative error of the fitted model on each sample (predicted / measured - 1)."""
+    return [
+        collective_time(k, b, n, latency, bandwidth, overhead=overhead) / t - 1.0
+        for k, n, b, t in samples
+    ]
+
+
+def _memory_capacity(device: torch.device) -> float:
+    if device.type == "cuda":
+        return float(torch.cuda.get_device_properties(device).total_memory)
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def calibrate(
+    *,
+    base: str | None = None,
+    name: str | None = None,
+    nproc: int = 2,
+    quick: bool = False,
+    device: str | None = None,
+    log: Callable[[str], None] = lambda _: None,
+) -> tuple[DeviceProfile, dict]:
+    """Measure this machine (module docstring); returns the profile and what was measured
+    (the samples, the fit and its errors) for a report."""
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    base_profile = get_profile(base or ("h100" if dev.type == "cuda" else "cpu"))
+    sizes, seqs, coll_sizes, reps = _PLANS["quick" if quick else dev.type]
+    threads = torch.get_num_threads()
+    if dev.type == "cpu":
+        torch.set_num_threads(1)  # as a rank of the local launcher computes
+    try:
+        launch = measure_launch(dev)
+        log(f"kernel launch {launch * 1e6:.2f} us")
+        numel = (1 << 22 if quick else 1 << 25) if dev.type == "cpu" else 1 << 28
+        bandwidth = measure_bandwidth(dev, numel, reps)
+        log(f"memory bandwidth {bandwidth / 1e9:.1f} GB/s")
+        rates, peaks = [], []
+        for dtype_name in _DTYPES:
+            dtype = getattr(torch, dtype_name)
+            curve = measure_matmul(dev, dtype, sizes, reps, launch)
+            rates.append(("matmul", dtype_name, curve))
+            peaks.append((dtype_name, max(r for _, r in curve)))
+            log(f"matmul {dtype_name}: " + ", ".join(f"{r / 1e9:.0f}" for _, r in curve) + " GF/s")
+        attn_dtypes = ("float32",) if dev.type == "cpu" else ("bfloat16", "float16")
+        for dtype_name in attn_dtypes:
+            fwd, bwd = measure_attention(dev, getattr(torch, dtype_name), seqs, reps, launch)
+            rates += [("attention", dtype_name, fwd), ("attention_backward", dtype_name, bwd)]
+            log(
+                f"attention {dtype_name}: fwd {fwd[-1][1] / 1e9:.0f}, bwd {bwd[-1][1] / 1e9:.0f} GF/s"
+            )
+    finally:
+        torch.set_num_threads(threads)
+    samples = measure_collectives(nproc, coll_sizes, reps, device_type=dev.type)
+    overhead, latency, link_bw = fit_link(samples)
+    errors = link_errors(samples, overhead, latency, link_bw)
+    log(
+        f"collectives on {nproc} ranks: overhead {overhead * 1e6:.1f} us, step latency "
+        f"{latency * 1e6:.1f} us, bandwidth {link_bw / 1e9:.2f} GB/s (fit error at most "
+        f"{max(abs(e) for e in errors):.0%})"
+    )
+    host = platform.node() or "this machine"
+    what = torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor()
+    when = datetime.date.today().isoformat()
+    capacity = _memory_capacity(dev)
+    profile = dataclasses.replace(
+        base_profile,
+        name=name or f"{dev.type}-{host}",
+        peak_flops=tuple(peaks),
+        kernel_rates=tuple(rates),
+        mem_bandwidth=bandwidth,
+        mem_capacity=capacity,
+        mem_reserve=min(base_profile.mem_reserve, capacity / 4),
+        kernel_launch=launch,
+        intra_node_latency=latency,
+        intra_node_bandwidth=link_bw,
+        collective_overhead=overhead,
+        ranks_per_node=(
+            torch.cuda.device_count() if dev.type == "cuda" else base_profile.ranks_per_node
+        ),
+        source=(
+            f"autopar calibrate on {host} ({what or dev.type}), {when}, torch "
+            f"{torch.__version__}{', quick' if quick else ''}: matmul and attention curves, "
+            f"memory bandwidth, kernel launch and the intra-node link "
+            f"({'NCCL' if dev.type == 'cuda' else 'gloo'}, {nproc} ranks) measured; the "
+            f"inter-node link, the memory reserve and the all-reduce algorithms are profile "
+            f"{base_profile.name!r}'s"
+        ),
+    )
+    report = {
+        "device": str(dev),
+        "threads": 1 if dev.type == "cpu" else None,
+        "collectives": [
+            {"kind": k, "ranks": n, "bytes": b, "seconds": t, "fit_error": e}
+            for (k, n, b, t), e in zip(samples, errors)
+        ],
+    }
+    return profile, report

@@ -1,0 +1,91 @@
+"""autopar calibrate: the link fit recovers a known link, and the command measures this
+machine into a profile that plan takes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import autopar
+from autopar.calibrate import KINDS, fit_link, link_errors
+from autopar.cli import main
+from autopar.cost_models import KERNEL_KINDS, PROFILES, collective_time, load_profile
+from autopar.models import EXAMPLES
+
+
+def _samples(overhead, latency, bandwidth, ranks=(2, 4)):
+    return [
+        (
+            kind,
+            n,
+            float(nbytes),
+            collective_time(kind, nbytes, n, latency, bandwidth, overhead=overhead),
+        )
+        for kind in KINDS
+        for n in ranks
+        for nbytes in (2**10, 2**14, 2**18, 2**22)
+    ]
+
+
+@pytest.mark.parametrize("overhead, latency, bandwidth", [(30e-6, 8e-6, 2e9), (0.0, 20e-6, 5e8)])
+def test_fit_recovers_the_link_that_made_the_samples(overhead, latency, bandwidth):
+    o, a, bw = fit_link(_samples(overhead, latency, bandwidth))
+    assert o == pytest.approx(overhead, abs=1e-9)
+    assert a == pytest.approx(latency, rel=1e-6)
+    assert bw == pytest.approx(bandwidth, rel=1e-6)
+    assert max(abs(e) for e in link_errors(_samples(o, a, bw), o, a, bw)) < 1e-9
+
+
+def test_fit_keeps_every_term_non_negative():
+    # times that fall with the number of ranks would need a negative step latency
+    samples = [(k, n, b, t * (1.5 if n == 2 else 1.0)) for k, n, b, t in _samples(5e-6, 1e-6, 1e9)]
+    o, a, bw = fit_link(samples)
+    assert o >= 0 and a >= 0 and bw > 0
+
+
+def test_fit_refuses_times_that_do_not_grow_with_size():
+    with pytest.raises(ValueError, match="bandwidth"):
+        fit_link([(k, 2, float(b), 1e-3) for k in KINDS for b in (2**10, 2**20)])
+
+
+def test_calibrate_writes_a_profile_that_plan_takes(tmp_path, capsys):
+    path = tmp_path / "profile.json"
+    rc = main(["calibrate", "--quick", "--name", "here", "-o", str(path), "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    measured = out["measured"]["collectives"]
+    assert {c["kind"] for c in measured} == set(KINDS)
+    profile = load_profile(path)
+    assert profile.name == "here" and "autopar calibrate" in profile.source
+    assert profile.source.count("measured") >= 1 and "'cpu'" in profile.source
+    kinds = {(k, d) for k, d, _ in profile.kernel_rates}
+    assert {k for k, _ in kinds} == set(KERNEL_KINDS)
+    assert {d for k, d in kinds if k == "matmul"} == {"float32", "float64", "bfloat16", "float16"}
+    for _, _, curve in profile.kernel_rates:
+        assert all(r > 0 for _, r in curve)
+    # what one machine cannot show is the base profile's
+    cpu = PROFILES["cpu"]
+    assert profile.inter_node_bandwidth == cpu.inter_node_bandwidth
+    assert profile.all_reduce_algorithms == cpu.all_reduce_algorithms
+    assert profile.mem_bandwidth != cpu.mem_bandwidth  # measured, not copied
+
+    rc = main(["plan", "mlp", "--mesh", "2", "--profile", str(path), "--no-cache", "--json"])
+    assert rc == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["mesh"]["device"] == "here"
+    model, inputs, loss_fn, targets = EXAMPLES["mlp"]()
+    mesh = autopar.Mesh((2,), ("dp",), device="cpu")
+    # the built-in profile prices the same step otherwise
+    on_cpu = autopar.plan(
+        model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, cache=False
+    )
+    assert plan["cost"]["total_s"] != pytest.approx(on_cpu.cost["total_s"], rel=1e-3)
+
+
+def test_a_bad_profile_is_a_one_line_error(tmp_path, capsys):
+    path = tmp_path / "bad.json"
+    path.write_text('{"name": "x"}')
+    assert main(["plan", "mlp", "--mesh", "2", "--profile", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "bad.json" in err and "not a device profile" in err
