@@ -14,18 +14,22 @@ What is measured, each as the median of timed repetitions after warm-up:
                         core/ops.py) for growing sequence lengths, causal: points of
                         ``kernel_rates["attention"]`` / ``["attention_backward"]``
     mem_bandwidth       a clone of a large tensor: bytes read + written over its time
-    kernel_launch       a one-element add: the fixed cost of an op
+    kernel_launch       a one-element add, as the emitted step runs one op of its graph
+                        (``measure_step_op``: an fx graph of adds run node by node, the
+                        interpreter's and the dispatcher's cost included): the fixed cost of
+                        an op
     the intra-node link N local processes run all_reduce, all_gather, reduce_scatter and
-                        all_to_all at sizes from KiB to MiB; the model of cost_models.comm,
+                        all_to_all at sizes from KiB to MiB, as the step runs them
+                        (functional collectives, each waited for); the model of cost_models.comm,
                         ``t = o + steps(kind, n) a + factor(kind, n) S / bw``, is fitted to
                         them by least squares over relative errors with o, a, 1/bw >= 0
                         (``fit_link``), giving ``collective_overhead``,
                         ``intra_node_latency`` and ``intra_node_bandwidth``
 
-A kernel's FLOP/s is its FLOPs over its time less ``kernel_launch`` (the cost model adds
-that back once), so small kernels are not charged the launch twice. Compute runs on as many
-threads as a rank of the local launcher uses (one on the CPU, runtime/launch), so a CPU
-profile prices what a gloo rank computes. What one machine cannot show comes from the base
+A kernel's FLOP/s is its FLOPs over its time less the cost of calling it alone (the cost
+model adds ``kernel_launch`` back once), so small kernels are not charged it twice. Compute
+runs on as many threads as a rank of the local launcher uses (one on the CPU,
+runtime/launch), so a CPU profile prices what a gloo rank computes. What one machine cannot show comes from the base
 profile (``--base``) and the source says so: the inter-node link, the memory reserve, and
 ``all_reduce_algorithms``.
 """
@@ -106,6 +110,23 @@ def measure_launch(device: torch.device, reps: int = 200) -> float:
     return _median_time(many, device, max(3, reps // runs)) / runs
 
 
+def measure_step_op(device: torch.device, reps: int = 20) -> float:
+    """Seconds per op of a chain of one-element adds run as the emitted step runs its graph:
+    an fx graph executed node by node (aot_autograd's compiled forward and backward are
+    ``torch.fx.Interpreter`` runs, passes/codegen), so the interpreter's and the
+    dispatcher's cost per node are in it."""
+    runs = 64
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    y = x
+    for _ in range(runs):
+        y = graph.call_function(torch.ops.aten.add.Tensor, (y, x))
+    graph.output(y)
+    run = torch.fx.Interpreter(torch.fx.GraphModule(torch.nn.Module(), graph)).run
+    x0 = torch.ones(1, device=device)
+    return _median_time(lambda: run(x0), device, reps) / runs
+
+
 def measure_bandwidth(device: torch.device, numel: int, reps: int) -> float:
     """Bytes/s of cloning a float32 tensor of ``numel`` elements (read + write)."""
     x = torch.empty(numel, device=device).fill_(1.0)
@@ -114,7 +135,7 @@ def measure_bandwidth(device: torch.device, numel: int, reps: int) -> float:
 
 
 def _rate(flops: float, seconds: float, launch: float) -> float:
-    # the cost model adds kernel_launch to every op: the rate is what remains
+    # the fixed cost of the call is priced apart (kernel_launch): the rate is what remains
     return flops / max(seconds - launch, seconds / 2)
 
 
@@ -154,28 +175,33 @@ def measure_attention(
 
 
 def _collective_rank(rank: int, world: int, sizes: Sequence[int], reps: int, device_type: str):
-    """On every rank: each kind at each size; ``(kind, bytes, seconds)`` medians."""
+    """On every rank: each kind at each size, as the emitted step runs it (a functional
+    collective and its ``wait_tensor``, passes/codegen); ``(kind, bytes, seconds)`` medians."""
     device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    default = dist.group.WORLD
+    assert default is not None, "run by runtime.run_local, which initializes the group"
+    group = default.group_name
+    c10d = torch.ops._c10d_functional
     out = []
     for kind, nbytes in itertools.product(KINDS, sizes):
         numel = max(world, nbytes // 4 // world * world)
         full = torch.ones(numel, device=device)
         part = torch.ones(numel // world, device=device)
-        recv = torch.empty(numel, device=device)
+        splits = [numel // world] * world
         calls = {
-            "all_reduce": functools.partial(dist.all_reduce, full),
-            "all_gather": functools.partial(gather, recv, part),
-            "reduce_scatter": functools.partial(scatter, part, full),
-            "all_to_all": functools.partial(dist.all_to_all_single, recv, full),
+            "all_reduce": functools.partial(c10d.all_reduce, full, "sum", group),
+            "all_gather": functools.partial(c10d.all_gather_into_tensor, part, world, group),
+            "reduce_scatter": functools.partial(
+                c10d.reduce_scatter_tensor, full, "sum", world, group
+            ),
+            "all_to_all": functools.partial(c10d.all_to_all_single, full, splits, splits, group),
         }
-        fn = calls[kind]
+        issue = calls[kind]
         times = []
         for i in range(reps + 1):
             dist.barrier()
             t0 = time.perf_counter()
-            fn()
+            c10d.wait_tensor(issue())
             _sync(device)
             if i:  # the first is the warm-up
                 times.append(time.perf_counter() - t0)
@@ -273,7 +299,8 @@ def calibrate(
         torch.set_num_threads(1)  # as a rank of the local launcher computes
     try:
         launch = measure_launch(dev)
-        log(f"kernel launch {launch * 1e6:.2f} us")
+        step_op = max(launch, measure_step_op(dev))
+        log(f"kernel launch {launch * 1e6:.2f} us, {step_op * 1e6:.2f} us per op of a step")
         numel = (1 << 22 if quick else 1 << 25) if dev.type == "cpu" else 1 << 28
         bandwidth = measure_bandwidth(dev, numel, reps)
         log(f"memory bandwidth {bandwidth / 1e9:.1f} GB/s")
@@ -313,7 +340,7 @@ def calibrate(
         mem_bandwidth=bandwidth,
         mem_capacity=capacity,
         mem_reserve=min(base_profile.mem_reserve, capacity / 4),
-        kernel_launch=launch,
+        kernel_launch=step_op,
         intra_node_latency=latency,
         intra_node_bandwidth=link_bw,
         collective_overhead=overhead,

@@ -34,10 +34,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from . import api
 from .core import Mesh, Plan
 from .models import EXAMPLES
+from .passes.codegen import collective_kind, group_axes
 from .passes.strategies import NoRuleWarning
 from .runtime import run_local
 
 __all__ = [
+    "CollectiveBytes",
     "VerifyReport",
     "build_example",
     "log_stages",
@@ -58,6 +60,9 @@ class VerifyReport:
             see ``_rel_errors`` for the floor under ||g_ref||).
         param_rel_err: the same for the parameters after the optimizer steps.
         predicted / ran: collective counts the plan predicts and that the compiled graph runs.
+        predicted_bytes / ran_bytes: the bytes of those collectives, by kind and axis, as
+            the plan prices them and as counted while the first step ran
+            (``CollectiveBytes``).
         mismatches: ops that ran with another placement than planned.
         local_params / model_params: how many parameters the parallel module and the model
             hold (a tied weight is one parameter in both).
@@ -71,6 +76,8 @@ class VerifyReport:
     worst_param: str = ""
     predicted: dict = field(default_factory=dict)
     ran: dict = field(default_factory=dict)
+    predicted_bytes: dict = field(default_factory=dict)
+    ran_bytes: dict = field(default_factory=dict)
     mismatches: list[str] = field(default_factory=list)
     local_params: int = 0
     model_params: int = 0
@@ -185,6 +192,31 @@ class LiveStorages(TorchDispatchMode):
         for o in out if isinstance(out, (tuple, list)) else [out]:
             self._see(o)
         self.peak = max(self.peak, self.live())
+        return out
+
+
+class CollectiveBytes(TorchDispatchMode):
+    """The functional collectives a step runs, counted as they run: ``bytes`` and
+    ``counts`` by ``(kind, mesh axis name)``, each collective's bytes as the cost model
+    counts them (``Plan.collective_bytes``: the gathered output of an all-gather, the input
+    of the others), so the two compare directly."""
+
+    def __init__(self, dmesh):
+        super().__init__()
+        self.axes = group_axes(dmesh)
+        self.bytes: dict[tuple[str, str], int] = {}
+        self.counts: dict[tuple[str, str], int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        kind = collective_kind(func)
+        if kind is not None:
+            group = kwargs.get("group_name", args[-1])
+            key = (kind, self.axes.get(group, str(group)))
+            nbytes = (out if kind == "all_gather" else args[0]).nbytes
+            self.bytes[key] = self.bytes.get(key, 0) + nbytes
+            self.counts[key] = self.counts.get(key, 0) + 1
         return out
 
 
@@ -338,11 +370,13 @@ def verify_rank(
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=lr)
     losses, ref_losses = [], []
     grad_err, worst_grad = 0.0, ""
+    counted = CollectiveBytes(mesh)
     for i in range(steps):
         opt.zero_grad()
         ref_opt.zero_grad()
-        loss = pm(*local)
-        loss.backward()
+        with counted if i == 0 else contextlib.nullcontext():  # the first step's collectives
+            loss = pm(*local)
+            loss.backward()
         ref_loss = loss_fn(ref(*ref_inputs), *ref_targets)
         ref_loss.backward()
         losses.append(loss.item())
@@ -371,6 +405,8 @@ def verify_rank(
         worst_param=worst_param,
         predicted=pm.plan.collective_counts(),
         ran=pm.collective_counts(),
+        predicted_bytes=pm.plan.collective_bytes(),
+        ran_bytes=counted.bytes,
         mismatches=pm.mismatches,
         local_params=len(list(pm.parameters())),
         model_params=len(list(ref.parameters())),

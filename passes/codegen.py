@@ -271,27 +271,34 @@ def compile_local_step(step: StepGraph, local: LocalStep):
     return aot_compile_joint_with_descriptors(jd)
 
 
-_COLLECTIVES = {
+COLLECTIVE_OPS = {
     "all_reduce": "all_reduce",
     "all_gather_into_tensor": "all_gather",
     "reduce_scatter_tensor": "reduce_scatter",
     "all_to_all_single": "all_to_all",
 }
+"""``_c10d_functional`` op name -> the collective kind the plan names it by."""
+
+
+def collective_kind(op) -> str | None:
+    """The plan's kind of a functional collective op (``COLLECTIVE_OPS``), else None."""
+    if not isinstance(op, torch._ops.OpOverload) or op.namespace != "_c10d_functional":
+        return None
+    return COLLECTIVE_OPS.get(op._opname)
+
+
+def group_axes(dmesh) -> dict[str, str]:
+    """``{process group name: mesh axis name}`` of ``dmesh``'s axes."""
+    names = dmesh.mesh_dim_names or tuple(f"axis{i}" for i in range(dmesh.ndim))
+    return {dmesh.get_group(i).group_name: name for i, name in enumerate(names)}
 
 
 def count_collectives(gm: torch.fx.GraphModule, dmesh) -> dict[tuple[str, str], int]:
     """``{(kind, axis name): count}`` of the functional collectives in ``gm``."""
-    group_axis = {}
-    names = dmesh.mesh_dim_names or tuple(f"axis{i}" for i in range(dmesh.ndim))
-    for i, name in enumerate(names):
-        group_axis[dmesh.get_group(i).group_name] = name
+    group_axis = group_axes(dmesh)
     counts: dict[tuple[str, str], int] = {}
     for n in gm.graph.nodes:
-        if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
-            continue
-        if n.target.namespace != "_c10d_functional":
-            continue
-        kind = _COLLECTIVES.get(n.target._opname)
+        kind = collective_kind(n.target) if n.op == "call_function" else None
         if kind is None:
             continue
         group = n.args[-1]

@@ -332,6 +332,17 @@ class Plan:
             counts[key] = counts.get(key, 0) + 1
         return dict(sorted(counts.items()))
 
+    def collective_bytes(self) -> dict[tuple[str, str], int]:
+        """``{(kind, axis name): bytes per step}`` of the predicted collectives, each counted
+        as the cost model prices it (cost_models/comm: the gathered tensor of an all-gather,
+        the input of a reduce-scatter, the tensor of an all-reduce, one rank's buffer of an
+        all-to-all)."""
+        total: dict[tuple[str, str], int] = {}
+        for c in self.collectives:
+            key = (c["kind"], c["axis"])
+            total[key] = total.get(key, 0) + int(c["nbytes"])
+        return dict(sorted(total.items()))
+
     def _step_memory_lines(self) -> list[str]:
         step = self.memory.get("step")
         if not step:

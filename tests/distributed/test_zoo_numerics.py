@@ -87,6 +87,26 @@ def _on_gloo(counts: dict) -> dict:
     return out
 
 
+# NOTE: a known gap, checked both ways: on qwen2-moe's step aot_autograd's default
+# partitioner saves the input of 4 all-gathers (those feeding the experts' grouped matmul
+# and an all-to-all's gloo fallback) rather than their outputs, and the backward runs them
+# again, so the step moves more all-gather bytes than the plan priced (2.67 MB against
+# 2.27 MB on (2,)). Everything else about the case is checked before the test marks it.
+RECOMPUTED_COLLECTIVES = {"qwen2-moe"}
+
+
+def _bytes_on_gloo(plan: Plan) -> dict:
+    """The plan's collective bytes (``Plan.collective_bytes``) as gloo runs them: an
+    all-to-all is an all-gather of the whole buffer, group size times its local one."""
+    out: dict = {}
+    for c in plan.collectives:
+        kind, nbytes = c["kind"], c["nbytes"]
+        if kind == "all_to_all":
+            kind, nbytes = "all_gather", nbytes * c["group_size"]
+        out[(kind, c["axis"])] = out.get((kind, c["axis"]), 0) + nbytes
+    return out
+
+
 def _case_id(case) -> str:
     example, mesh, _, dtype, *_ = case
     return f"{example}-{'x'.join(map(str, mesh))}-{dtype}"
@@ -142,6 +162,18 @@ def test_zoo_matches_single_device(case):
     # one local parameter per model parameter (a tied weight is one shard under two names)
     assert r0.local_params == r0.model_params
     plan = Plan.from_json(r0.plan_json)
+    # ... moving the bytes the cost model priced them at, counted as they ran (within 2%:
+    # torch.chunk's padding of uneven shards)
+    assert r0.predicted_bytes == plan.collective_bytes()
+    predicted = _bytes_on_gloo(plan)
+    assert predicted.keys() == r0.ran_bytes.keys()
+    off = {k: (r0.ran_bytes[k], n) for k, n in predicted.items()
+           if r0.ran_bytes[k] != pytest.approx(n, rel=0.02)}  # fmt: skip
+    if example in RECOMPUTED_COLLECTIVES:
+        assert off, f"{example}: the step runs the bytes predicted: drop RECOMPUTED_COLLECTIVES"
+        assert all(ran > want for ran, want in off.values()), off
+        pytest.xfail(f"aot_autograd's partitioner runs all-gathers twice: {off}")
+    assert not off
     if example == "gpt-tied":
         # the two names of the tied weight are placed alike, and the budget shards weights
         pp = plan.param_placements

@@ -1,0 +1,200 @@
+"""Predicted step time (the cost model) against the emitted step, measured; and the bytes of
+every collective, predicted against counted as the step runs.
+
+    python benchmarks/cost_fidelity.py [--profile PATH] [--steps 20] [--check]
+
+The profile is this machine's: ``autopar calibrate`` runs first (``autopar.calibrate``:
+kernel curves, memory bandwidth, launch cost, the gloo link on 2 ranks), unless
+``--profile`` names one it wrote. Each case compiles a zoo model with that profile on a
+local gloo mesh of 2 processes (one thread each, as the calibration measured; 2 cores, so
+no rank waits for a core) and times the forward and backward of the emitted step:
+
+    predicted   the step as emitted (autopar/report ``schedule``): every node's compute
+                time in order, each collective waited for where the step runs it; the
+                plan's ``cost["total_s"]`` credits overlap the gloo step does not have
+    measured    the median over ``--steps`` steps after warm-up of one rank's
+                ``pm(*batch).backward()``, ranks started together (a barrier), the
+                slowest rank's median
+    bytes       ``Plan.collective_bytes`` against ``autopar.verify.CollectiveBytes``
+                (a dispatch mode counting the functional collectives as they run) during
+                one step, by kind and axis; gloo runs an all-to-all as an all-gather
+
+Targets (``--check`` exits non-zero when one is missed): predicted within 30% of measured
+on every case; collective bytes within 2% for every kind and axis. A CUDA row (NCCL,
+``h100`` profile or one calibrated there; target 15%) is added when a GPU is present.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from autopar.runtime import run_local
+
+TIME_TARGET = 0.30
+GPU_TIME_TARGET = 0.15
+BYTES_TARGET = 0.02
+CASES = [
+    # (example, mesh, memory fraction: None = the device's memory, so maybe no sharding)
+    ("mlp", (2,), None),
+    ("mlp", (2,), 0.6),
+    ("gpt", (2,), 0.6),
+    ("hf-gpt2", (2,), 0.6),
+    ("hf-llama", (2,), 0.6),
+    ("hf-llama", (2,), 0.45),  # only a plan that checkpoints its layers meets it
+]
+
+
+def _on_gloo(plan) -> dict:
+    out: dict = {}
+    for c in plan.collectives:
+        kind, nbytes = c["kind"], c["nbytes"]
+        if kind == "all_to_all":  # gloo has none: DTensor gathers the whole buffer
+            kind, nbytes = "all_gather", nbytes * c["group_size"]
+        out[(kind, c["axis"])] = out.get((kind, c["axis"]), 0) + nbytes
+    return out
+
+
+def _measure(rank, world, profile_path, example, mesh_shape, fraction, steps, backend):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import autopar
+    from autopar.models import EXAMPLES
+    from autopar.report import schedule, step_length
+    from autopar.verify import CollectiveBytes
+
+    device = "cuda" if backend == "nccl" else "cpu"
+    name = autopar.load_profile(profile_path).name if profile_path else "h100"
+    torch.manual_seed(0)
+    model, inputs, loss_fn, targets = EXAMPLES[example]()
+    mesh = init_device_mesh(device, mesh_shape, mesh_dim_names=("dp", "tp")[: len(mesh_shape)])
+    model = model.to(device)
+    inputs = tuple(t.to(device) for t in inputs)
+    targets = tuple(t.to(device) for t in targets)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = autopar.compile(
+            model,
+            mesh,
+            inputs,
+            loss_fn=loss_fn,
+            example_targets=targets,
+            device=name,
+            memory_fraction=fraction,
+        )
+    local = pm.shard_inputs(*inputs, *targets)
+
+    def step():
+        pm(*local).backward()
+        for p in pm.parameters():
+            p.grad = None
+
+    for _ in range(3):
+        step()
+    counted = CollectiveBytes(mesh)
+    with counted:
+        step()
+    times = []
+    for _ in range(steps):
+        dist.barrier()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    plan = pm.plan
+    return {
+        "measured": statistics.median(times),
+        "counted": counted.bytes,
+        "predicted": step_length(schedule(plan)),
+        "compute": plan.cost["compute_s"],
+        "bytes": _on_gloo(plan) if backend == "gloo" else plan.collective_bytes(),
+        "collectives": len(plan.collectives),
+        "recompute": len(plan.recompute),
+    }
+
+
+def _profile(path: str | None, quick: bool) -> tuple[str, str]:
+    """The profile's path and a line saying where it came from."""
+    if path:
+        return path, f"profile {path}"
+    from autopar.calibrate import calibrate
+
+    t0 = time.perf_counter()
+    profile, _ = calibrate(name="calibrated-here", nproc=2, quick=quick)
+    out = Path(tempfile.mkdtemp()) / "profile.json"
+    out.write_text(profile.to_json())
+    return str(out), f"profile calibrated here first ({time.perf_counter() - t0:.0f} s)"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--profile", help="a profile JSON (autopar calibrate); default: calibrate now")
+    ap.add_argument("--quick", action="store_true", help="calibrate with fewer, smaller samples")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--check", action="store_true", help="fail when a target is missed")
+    args = ap.parse_args(argv)
+    from common import print_header
+
+    path, source = _profile(args.profile, args.quick)
+    rows = [(case, "gloo", path) for case in CASES]
+    if torch.cuda.is_available() and torch.cuda.device_count() >= 2:
+        rows += [(case, "nccl", None) for case in CASES]
+    print_header(
+        f"{source}; fp32; forward + backward; median of {args.steps} steps, slowest rank",
+        ["backend", "model", "mesh", "budget", "collectives", "checkpointed layers",
+         "predicted compute ms", "predicted step ms", "measured ms", "predicted / measured",
+         "collective bytes predicted", "counted", "bytes ratio"],
+    )  # fmt: skip
+    time_misses, bytes_misses = [], []
+    for case, backend, profile_path in rows:
+        example, mesh_shape, fraction = case
+        world = 1
+        for s in mesh_shape:
+            world *= s
+        results = run_local(
+            _measure, world, profile_path, example, mesh_shape, fraction, args.steps, backend,
+            backend=backend,
+        )  # fmt: skip
+        r0 = results[0]
+        measured = max(r["measured"] for r in results)
+        ratio = r0["predicted"] / measured
+        target = TIME_TARGET if backend == "gloo" else GPU_TIME_TARGET
+        if abs(ratio - 1) > target:
+            time_misses.append((backend, case, ratio))
+        predicted_bytes, counted = r0["bytes"], r0["counted"]
+        worst = 1.0
+        for key in predicted_bytes.keys() | counted.keys():
+            b_ratio = (predicted_bytes.get(key, 0) + 1) / (counted.get(key, 0) + 1)
+            worst = b_ratio if abs(b_ratio - 1) > abs(worst - 1) else worst
+        if abs(worst - 1) > BYTES_TARGET:
+            bytes_misses.append((backend, case, predicted_bytes, counted))
+        print(
+            f"| {backend} | {example} | {'x'.join(map(str, mesh_shape))} | "
+            f"{'device' if fraction is None else f'{fraction:.0%} of one device'} | "
+            f"{r0['collectives']} | {r0['recompute']} | {r0['compute'] * 1e3:.3f} | "
+            f"{r0['predicted'] * 1e3:.3f} | {measured * 1e3:.3f} | {ratio:.2f} | "
+            f"{sum(predicted_bytes.values()):,} | {sum(counted.values()):,} | {worst:.4f} |",
+            flush=True,
+        )
+    if args.check and time_misses:
+        print(f"\nFAIL: predicted step time off by more than the target: {time_misses}")
+        return 1
+    if args.check and bytes_misses:
+        print(f"\nFAIL: collective bytes off by more than {BYTES_TARGET:.0%}: {bytes_misses}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
