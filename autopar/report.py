@@ -6,32 +6,8 @@ and in any browser. It holds the summary, the placement table, the cost breakdow
 per-rank schedule timeline, the memory timeline, the solver's statistics and stage timings,
 and every warning.
 
-The schedule (``schedule``) is a simulation of one rank's step on two streams, compute and
-communication, from the plan's per-node costs and predicted collectives:
-
-    - the compute stream runs the points of the step in the memory timeline's order (step
-      order, with the copies a checkpointed layer recomputes, ``recompute:<node>``, before
-      the layer's first backward read); each takes its chosen strategy's ``cost_s``;
-    - a reshard on the edge ``src->dst`` runs on the communication stream and ``dst`` waits
-      for it; a reshard into a recomputed copy (``(recomputed)``) is one into
-      ``recompute:dst``;
-    - gradient reductions (edges into the step's outputs) run on the communication stream
-      after their gradient is made;
-    - the communication stream runs its collectives one at a time, in the order issued.
-
-Two issue rules give two schedules:
-
-    - ``overlap=False``, the step as codegen emits it: a reshard is issued when the compute
-      stream reaches its consumer (the functional collective sits right before it) and the
-      gradient reductions when the backward ends (the graph's outputs). Nothing overlaps:
-      its length is compute plus communication.
-    - ``overlap=True``: every collective is issued as soon as its input is made (a reshard
-      when ``src`` ends, a gradient reduction when its gradient does), as a prefetching,
-      DDP-style runtime would. Its length shows what overlap the plan leaves room for.
-
-The cost model's estimate (``plan.cost["total_s"]``) credits a share of the gradient
-reductions as hidden behind the backward (passes/solve, ``GRAD_OVERLAP``); the page states
-all three lengths side by side.
+The schedule of one rank (``autopar.core.schedule``) is drawn twice: as codegen emits the
+step, and with the reshards too issued as soon as their input is made.
 
 ``chrome_trace`` writes both schedules as Chrome trace events (``--trace``: Perfetto,
 chrome://tracing), one process each with a compute and a communication thread.
@@ -42,17 +18,15 @@ from __future__ import annotations
 import html
 import json
 import math
-from collections import defaultdict
-from dataclasses import dataclass
 from pathlib import Path
 
 from .core.plan import Plan
-from .show import collective_rows, purpose, tables
+from .core.schedule import COMM, COMPUTE, Span, schedule, step_length
+from .show import collective_rows, tables
 
-__all__ = ["Span", "chrome_trace", "render_html", "schedule", "write_report"]
+__all__ = ["Span", "chrome_trace", "render_html", "schedule", "step_length", "write_report"]
 
 _MIB = 2**20
-COMPUTE, COMM = "compute", "communication"
 MAX_MEMORY_POINTS = 1500
 """The memory timeline is drawn with at most this many points, each bucket's highest."""
 _WIDTH = 1100  # px of every chart's plotting area
@@ -71,119 +45,6 @@ _KIND_COLORS = {
     "reduce_scatter": "#59a14f",
     "all_to_all": "#b07aa1",
 }
-
-
-@dataclass(frozen=True)
-class Span:
-    """One thing a stream does in the simulated step.
-
-    Attributes:
-        stream: ``compute`` or ``communication``.
-        name: the node (compute) or the collective's edge (communication).
-        start_s: when it starts, from the step's start.
-        dur_s: how long it runs.
-        module: the module path it belongs to (a gradient reduction: its parameter).
-        what: the op (compute), or ``kind@axis, bytes`` (communication).
-    """
-
-    stream: str
-    name: str
-    start_s: float
-    dur_s: float
-    module: str
-    what: str
-
-    @property
-    def end_s(self) -> float:
-        return self.start_s + self.dur_s
-
-
-def _points(plan: Plan) -> list[str]:
-    """The compute stream's points in order: the memory timeline's, else graph order."""
-    step = plan.memory.get("step") or {}
-    nodes = (step.get("timeline") or {}).get("nodes")
-    if nodes:
-        return [n for n in nodes if n != "output"]
-    return list(plan.nodes)
-
-
-def _edge_ends(edge: str) -> tuple[str, str]:
-    """``(src, dst point)`` of a collective's edge text (``a->b``, ``a->b (recomputed)``,
-    ``a->output[3] (as primals_3)``)."""
-    src, _, rest = edge.partition("->")
-    dst, _, note = rest.partition(" ")
-    if note == "(recomputed)":
-        dst = f"recompute:{dst}"
-    return src, dst
-
-
-def _comm_span(c: dict, start: float) -> Span:
-    site = c.get("param") or c.get("module", "")
-    what = f"{c['kind']}@{c['axis']}, {c['nbytes']:,} bytes over {c.get('group_size', '?')} ranks"
-    return Span(COMM, c["edge"], start, c.get("time_s", 0.0), site, what)
-
-
-def schedule(plan: Plan, *, overlap: bool = False) -> list[Span]:
-    """The two streams of one rank's step (module docstring), compute then communication
-    spans, each in time order."""
-    points = _points(plan)
-    position = {p: i for i, p in enumerate(points)}
-    into: dict[str, list[dict]] = defaultdict(list)  # reshards, by the point that waits
-    after: dict[str, list[dict]] = defaultdict(list)  # what each point's end issues
-    grads: list[dict] = []
-    for c in plan.collectives:
-        src, dst = _edge_ends(c["edge"])
-        if purpose(c) == "gradient reduction":
-            grads.append(c)
-            if overlap and src in position:
-                after[src].append(c)
-            continue
-        if dst not in position and dst.startswith("recompute:"):
-            dst = dst.removeprefix("recompute:")  # a plan whose timeline shows no copies
-        into[dst].append(c)
-        if overlap and src in position and position[src] < position.get(dst, len(points)):
-            after[src].append(c)
-
-    compute: list[Span] = []
-    comm: list[Span] = []
-    ends: dict[int, float] = {}  # id(collective) -> its end
-    comm_clock = 0.0
-
-    def issue(cs: list[dict], at: float) -> None:
-        nonlocal comm_clock
-        for c in cs:
-            if id(c) in ends:
-                continue
-            span = _comm_span(c, max(comm_clock, at))
-            comm.append(span)
-            comm_clock = ends[id(c)] = span.end_s
-
-    if overlap:  # a reshard whose input no point makes is ready at the step's start
-        issued_later = {id(c) for c in _flat(after)}
-        issue([c for c in _flat(into) if id(c) not in issued_later], 0.0)
-    clock = 0.0
-    for p in points:
-        waits = into.get(p, [])
-        if not overlap:
-            issue(waits, clock)
-        start = max([clock] + [ends[id(c)] for c in waits])
-        node = plan.nodes.get(p.removeprefix("recompute:"))
-        dur = node.cost_s if node is not None else 0.0
-        if node is not None and (dur > 0 or node.op != "placeholder"):
-            compute.append(Span(COMPUTE, p, start, dur, node.module, node.op))
-        clock = start + dur
-        if overlap:
-            issue(after.get(p, []), clock)
-    issue(grads + _flat(into), clock)  # (what no point waited for: none in a whole plan)
-    return compute + sorted(comm, key=lambda s: s.start_s)
-
-
-def _flat(d: dict[str, list[dict]]) -> list[dict]:
-    return [c for cs in d.values() for c in cs]
-
-
-def step_length(spans: list[Span]) -> float:
-    return max((s.end_s for s in spans), default=0.0)
 
 
 def chrome_trace(plan: Plan) -> dict:
@@ -543,10 +404,10 @@ def render_html(plan: Plan) -> str:
         '<section id="timeline"><h2>Schedule of one rank</h2>',
         "<p>Compute and communication streams, simulated from the plan's node costs and "
         "collectives (hover a bar for what it holds). Above: the step as emitted, each "
-        "reshard issued when its consumer is reached and the gradient reductions after the "
-        f"backward ({_ms(emitted_s)} ms). Below: each collective issued as soon as its input "
-        f"is made ({_ms(overlapped_s)} ms); what the lanes share there is overlap. Both are "
-        "drawn on one time axis.</p>",
+        "reshard issued when its consumer is reached, each gradient reduction as soon as its "
+        f"gradient is made and waited for at the end ({_ms(emitted_s)} ms). Below: reshards "
+        f"too issued as soon as their input is made ({_ms(overlapped_s)} ms). What the lanes "
+        "share is overlap. Both are drawn on one time axis.</p>",
         _timeline_svg(plan, emitted, length, "timeline-emitted"),
         _timeline_svg(plan, overlapped, length, "timeline-overlapped"),
         "</section>",

@@ -23,6 +23,12 @@ How: an ``fx.Interpreter`` runs the global graph on local tensors, node by node,
 At the graph outputs the loss is redistributed to Replicate, each gradient to its
 parameter's placement. Nothing is done when the plan replicates everything (the local graph
 is then the global graph, plus nothing).
+
+Then ``issue_reductions_early`` moves each of those output collectives (the gradient
+reductions) to just after the node that makes its input, its wait staying at the end: the
+reduction runs while the rest of the backward computes, as DDP's and FSDP's do
+(autopar/report's emitted schedule simulates exactly this order). The compiled forward and
+backward graphs are kept in ``CompiledStep.graphs``.
 """
 
 from __future__ import annotations
@@ -32,8 +38,15 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx.traceback as fx_traceback
+
+# NOTE: aot_autograd's output descriptors have no public home; the joint graph's output
+# node carries them (tests/unit/test_codegen.py fails if the gradients are not found)
+from torch._functorch._aot_autograd.descriptors import GradAOTOutput
 from torch._functorch._aot_autograd.subclass_utils import create_subclass_meta
-from torch._functorch.aot_autograd import aot_compile_joint_with_descriptors
+from torch._functorch.aot_autograd import (
+    aot_compile_joint_with_descriptors,
+    boxed_nop_preserve_node_meta,
+)
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._redistribute import redistribute_local_tensor
@@ -58,6 +71,7 @@ __all__ = [
     "codegen",
     "compile_local_step",
     "count_collectives",
+    "issue_reductions_early",
 ]
 
 
@@ -69,10 +83,13 @@ class LocalStep:
         gm: the local joint graph (placeholders in the global graph's order).
         mismatches: nodes whose op, run through DTensor, came out with another placement
             than planned (redistributed to the plan's; each costs an extra collective).
+        compiled: the forward and backward graphs aot_autograd partitioned ``gm`` into,
+            once ``compile_local_step`` has run (``"forward"``, ``"backward"``).
     """
 
     gm: torch.fx.GraphModule
     mismatches: list[str] = field(default_factory=list)
+    compiled: dict[str, torch.fx.GraphModule] = field(default_factory=dict)
 
 
 _aten = torch.ops.aten
@@ -268,7 +285,19 @@ def compile_local_step(step: StepGraph, local: LocalStep):
     meta.subclass_tangent_meta = create_subclass_meta(
         tangents, count_symints=False, with_memory_format=True
     )
-    return aot_compile_joint_with_descriptors(jd)
+
+    # the partitioned graphs, kept for inspection; they run as aot_autograd's default
+    # compiler runs them (an fx Interpreter, node by node)
+    def keep(kind: str):
+        def compiler(g: torch.fx.GraphModule, example_inputs):
+            local.compiled[kind] = g
+            return boxed_nop_preserve_node_meta(g, example_inputs)
+
+        return compiler
+
+    return aot_compile_joint_with_descriptors(
+        jd, fw_compiler=keep("forward"), bw_compiler=keep("backward")
+    )
 
 
 COLLECTIVE_OPS = {
@@ -307,9 +336,73 @@ def count_collectives(gm: torch.fx.GraphModule, dmesh) -> dict[tuple[str, str], 
     return dict(sorted(counts.items()))
 
 
+def _through_views(node: torch.fx.Node) -> torch.fx.Node:
+    """Back from ``node`` through view ops each only it reads, to what they view."""
+    while (
+        node.op == "call_function"
+        and isinstance(node.target, torch._ops.OpOverload)
+        and node.target.is_view
+        and isinstance(node.args[0], torch.fx.Node)
+        and len(node.args[0].users) == 1
+    ):
+        node = node.args[0]
+    return node
+
+
+def _waited(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The collective ``node`` waits for, where ``node`` is its only wait and is read once."""
+    if node.target is not torch.ops._c10d_functional.wait_tensor.default or len(node.users) != 1:
+        return None
+    coll = node.args[0]
+    if not isinstance(coll, torch.fx.Node) or collective_kind(coll.target) is None:
+        return None
+    return coll if len(coll.users) == 1 else None
+
+
+def issue_reductions_early(gm: torch.fx.GraphModule) -> int:
+    """Issue each collective that redistributes a step output (the gradient reductions, and
+    the loss's) as soon as its input exists, and wait for it where the step ends.
+
+    The localizer (``_Localizer.output``) emits them at the graph's end, each followed by
+    its wait: every reduction then runs after the whole backward, which waits for it. A
+    functional collective is asynchronous until its ``wait_tensor``, so moving the
+    collective to just after the node that makes its input, and leaving the wait where it
+    is, lets the reduction run while the rest of the backward computes (aot_autograd's
+    partitioner keeps the joint graph's order in the backward graph). Only the first
+    collective of a gradient's chain moves (a reduction over two mesh axes waits for the
+    first before the second starts, at the end). Forward outputs (the loss) keep their
+    place: moving the loss's reduction into the forward made aot_autograd's partitioner
+    run a forward collective again in the backward. Returns how many moved."""
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    moved = 0
+    descs = out.meta.get("desc") or ()
+    for pos, a in enumerate(tree_flatten(out.args)[0]):
+        if not isinstance(a, torch.fx.Node):
+            continue
+        if pos < len(descs) and not isinstance(descs[pos], GradAOTOutput):
+            continue  # a forward output (the loss): the forward keeps its order
+        first = None
+        coll = _waited(_through_views(a))
+        # back along the chain wait <- collective <- (wait <- collective <- ...) input
+        while coll is not None:
+            first = coll
+            source = coll.args[0]
+            coll = _waited(_through_views(source)) if isinstance(source, torch.fx.Node) else None
+        if first is None or not isinstance(first.args[0], torch.fx.Node):
+            continue
+        source = first.args[0]
+        if source.next is not first:
+            source.append(first)
+            moved += 1
+    gm.graph.lint()
+    gm.recompile()
+    return moved
+
+
 def codegen(step: StepGraph, plan: Plan, dmesh) -> CompiledStep:
     """The compiled local step of ``plan`` on ``dmesh``, as the runtime takes it."""
     local = build_local_graph(step, plan, dmesh)
+    issue_reductions_early(local.gm)
     fn = compile_local_step(step, local)
     batch = [n for n in step.placeholders() if n.meta[roles.META_ROLE] in roles.BATCH_ROLES]
     return CompiledStep(
@@ -322,4 +415,5 @@ def codegen(step: StepGraph, plan: Plan, dmesh) -> CompiledStep:
         input_dtypes=[n.meta["val"].dtype for n in batch],
         collective_counts=count_collectives(local.gm, dmesh),
         mismatches=list(local.mismatches),
+        graphs=dict(local.compiled),
     )

@@ -30,6 +30,8 @@ class CompiledStep:
         input_dtypes: dtype of each user input, then each target.
         collective_counts: ``{(kind, axis name): count}`` of the collectives in ``gm``.
         mismatches: ops that ran with another placement than planned (each redistributed).
+        graphs: the forward and backward graphs ``fn`` runs (``"forward"``, ``"backward"``),
+            as aot_autograd partitioned ``gm``.
     """
 
     fn: Callable
@@ -41,3 +43,4 @@ class CompiledStep:
     input_dtypes: list[torch.dtype] = field(default_factory=list)
     collective_counts: dict[tuple[str, str], int] = field(default_factory=dict)
     mismatches: list[str] = field(default_factory=list)
+    graphs: dict[str, torch.fx.GraphModule] = field(default_factory=dict)

@@ -24,6 +24,7 @@ import torch
 from .mesh import Mesh
 from .placements import parse_placements, placement_str
 from .roles import op_name
+from .schedule import schedule, step_length
 from .space import Recompute, Solution, StrategySpace
 from .version import __version__
 
@@ -332,6 +333,12 @@ class Plan:
             counts[key] = counts.get(key, 0) + 1
         return dict(sorted(counts.items()))
 
+    def emitted_step_s(self) -> float:
+        """The predicted time of the step codegen emits: one rank's compute and
+        communication streams simulated (``core.schedule``), every reshard waited for where
+        it is consumed, the gradient reductions overlapping the rest of the backward."""
+        return step_length(schedule(self))
+
     def collective_bytes(self) -> dict[tuple[str, str], int]:
         """``{(kind, axis name): bytes per step}`` of the predicted collectives, each counted
         as the cost model prices it (cost_models/comm: the gathered tensor of an all-gather,
@@ -399,6 +406,8 @@ class Plan:
             f"estimated step time: {c.get('total_s', 0) * 1e3:.4f} ms "
             f"(compute {c.get('compute_s', 0) * 1e3:.4f} ms, "
             f"communication {c.get('comm_s', 0) * 1e3:.4f} ms)",
+            f"the step as emitted, simulated: {self.emitted_step_s() * 1e3:.4f} ms "
+            "(each reshard waited for, gradient reductions overlapping the backward)",
             f"parameter memory per rank: {self.memory.get('param_bytes_per_rank', 0) / 2**20:.2f} MiB"
             f" of {self.memory.get('param_bytes_total', 0) / 2**20:.2f} MiB",
             *self._step_memory_lines(),

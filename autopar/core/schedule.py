@@ -1,0 +1,168 @@
+"""The simulated step of one rank: compute and communication streams, from a plan alone.
+
+``schedule`` is a simulation of one rank's step on two streams, compute and
+communication, from the plan's per-node costs and predicted collectives:
+
+    - the compute stream runs the points of the step in the memory timeline's order (step
+      order, with the copies a checkpointed layer recomputes, ``recompute:<node>``, before
+      the layer's first backward read); each takes its chosen strategy's ``cost_s``;
+    - a reshard on the edge ``src->dst`` runs on the communication stream and ``dst`` waits
+      for it; a reshard into a recomputed copy (``(recomputed)``) is one into
+      ``recompute:dst``;
+    - gradient reductions (edges into the step's outputs) run on the communication stream
+      after their gradient is made;
+    - the communication stream runs its collectives one at a time, in the order issued.
+
+Two issue rules give two schedules:
+
+    - ``overlap=False``, the step as codegen emits it: a reshard is issued when the compute
+      stream reaches its consumer (the functional collective sits right before it, and the
+      consumer waits); a gradient reduction as soon as its gradient is made, waited for
+      where the step ends (passes/codegen ``issue_reductions_early``; over two mesh axes,
+      the second collective at the end; the loss's reduction, a forward output, where the
+      forward ends). Only the gradient reductions overlap compute.
+    - ``overlap=True``: reshards too are issued as soon as their input is made (when
+      ``src`` ends), as a prefetching runtime would. Its length shows what overlap the plan
+      leaves room for.
+
+``Plan.emitted_step_s()`` is the emitted schedule's length: the step time the plan predicts
+for the step codegen emits, its overlap exactly the emitted one's. The solver's objective
+(``plan.cost["total_s"]``) is a linear stand-in that the ILP can optimize: it credits a
+fixed share of each gradient reduction as hidden (passes/solve, ``GRAD_OVERLAP``). The
+report states the three lengths side by side.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .plan import Plan
+
+__all__ = ["COMM", "COMPUTE", "Span", "edge_ends", "purpose", "schedule", "step_length"]
+
+COMPUTE, COMM = "compute", "communication"
+
+
+def purpose(collective: dict) -> str:
+    """``gradient reduction`` (an edge into the step's outputs) or ``reshard``."""
+    return "gradient reduction" if "->output[" in collective["edge"] else "reshard"
+
+
+@dataclass(frozen=True)
+class Span:
+    """One thing a stream does in the simulated step.
+
+    Attributes:
+        stream: ``compute`` or ``communication``.
+        name: the node (compute) or the collective's edge (communication).
+        start_s: when it starts, from the step's start.
+        dur_s: how long it runs.
+        module: the module path it belongs to (a gradient reduction: its parameter).
+        what: the op (compute), or ``kind@axis, bytes`` (communication).
+    """
+
+    stream: str
+    name: str
+    start_s: float
+    dur_s: float
+    module: str
+    what: str
+
+    @property
+    def end_s(self) -> float:
+        return self.start_s + self.dur_s
+
+
+def _points(plan: Plan) -> list[str]:
+    """The compute stream's points in order: the memory timeline's, else graph order."""
+    step = plan.memory.get("step") or {}
+    nodes = (step.get("timeline") or {}).get("nodes")
+    if nodes:
+        return [n for n in nodes if n != "output"]
+    return list(plan.nodes)
+
+
+def edge_ends(edge: str) -> tuple[str, str]:
+    """``(src, dst point)`` of a collective's edge text (``a->b``, ``a->b (recomputed)``,
+    ``a->output[3] (as primals_3)``)."""
+    src, _, rest = edge.partition("->")
+    dst, _, note = rest.partition(" ")
+    if note == "(recomputed)":
+        dst = f"recompute:{dst}"
+    return src, dst
+
+
+def _comm_span(c: dict, start: float) -> Span:
+    site = c.get("param") or c.get("module", "")
+    what = f"{c['kind']}@{c['axis']}, {c['nbytes']:,} bytes over {c.get('group_size', '?')} ranks"
+    return Span(COMM, c["edge"], start, c.get("time_s", 0.0), site, what)
+
+
+def schedule(plan: Plan, *, overlap: bool = False) -> list[Span]:
+    """The two streams of one rank's step (module docstring), compute then communication
+    spans, each in time order."""
+    points = _points(plan)
+    position = {p: i for i, p in enumerate(points)}
+    into: dict[str, list[dict]] = defaultdict(list)  # reshards, by the point that waits
+    after: dict[str, list[dict]] = defaultdict(list)  # what each point's end issues
+    grads: list[dict] = []
+    reduced: set[str] = set()
+    for c in plan.collectives:
+        src, dst = edge_ends(c["edge"])
+        if purpose(c) == "gradient reduction":
+            grads.append(c)
+            # issued once its gradient exists, in either schedule; a second collective of
+            # the same gradient (two mesh axes) waits for the first, at the step's end
+            if src in position and c["edge"] not in reduced and "param" in c:
+                after[src].append(c)
+            reduced.add(c["edge"])
+            continue
+        if dst not in position and dst.startswith("recompute:"):
+            dst = dst.removeprefix("recompute:")  # a plan whose timeline shows no copies
+        into[dst].append(c)
+        if overlap and src in position and position[src] < position.get(dst, len(points)):
+            after[src].append(c)
+
+    compute: list[Span] = []
+    comm: list[Span] = []
+    ends: dict[int, float] = {}  # id(collective) -> its end
+    comm_clock = 0.0
+
+    def issue(cs: list[dict], at: float) -> None:
+        nonlocal comm_clock
+        for c in cs:
+            if id(c) in ends:
+                continue
+            span = _comm_span(c, max(comm_clock, at))
+            comm.append(span)
+            comm_clock = ends[id(c)] = span.end_s
+
+    grad_ids = {id(c) for c in grads}
+    if overlap:  # a reshard whose input no point makes is ready at the step's start
+        issued_later = {id(c) for c in _flat(after)}
+        issue([c for c in _flat(into) if id(c) not in issued_later], 0.0)
+    clock = 0.0
+    for p in points:
+        waits = into.get(p, [])
+        if not overlap:
+            issue(waits, clock)
+        start = max([clock] + [ends[id(c)] for c in waits])
+        node = plan.nodes.get(p.removeprefix("recompute:"))
+        dur = node.cost_s if node is not None else 0.0
+        if node is not None and (dur > 0 or node.op != "placeholder"):
+            compute.append(Span(COMPUTE, p, start, dur, node.module, node.op))
+        clock = start + dur
+        issue([c for c in after.get(p, []) if overlap or id(c) in grad_ids], clock)
+    issue(grads + _flat(into), clock)  # (what no point waited for: none in a whole plan)
+    return compute + sorted(comm, key=lambda s: s.start_s)
+
+
+def _flat(d: dict[str, list[dict]]) -> list[dict]:
+    return [c for cs in d.values() for c in cs]
+
+
+def step_length(spans: list[Span]) -> float:
+    return max((s.end_s for s in spans), default=0.0)
