@@ -15,12 +15,11 @@ What is measured, each as the median of timed repetitions after warm-up:
                         ``kernel_rates["attention"]`` / ``["attention_backward"]``
     mem_bandwidth       a clone of a large tensor: bytes read + written over its time
     kernel_launch       a one-element add, as the emitted step runs one op of its graph
-                        (``measure_step_op``: an fx graph of adds run node by node, the
-                        interpreter's and the dispatcher's cost included): the fixed cost of
-                        an op
+                        (``measure_step_op``: an fx graph of adds run as its generated
+                        code): the fixed cost of an op
     the intra-node link N local processes run all_reduce, all_gather, reduce_scatter and
                         all_to_all at sizes from KiB to MiB, as the step runs them
-                        (functional collectives, each waited for); the model of cost_models.comm,
+                        (functional collectives, each waited for, one after another); the model of cost_models.comm,
                         ``t = o + steps(kind, n) a + factor(kind, n) S / bw``, is fitted to
                         them by least squares over relative errors with o, a, 1/bw >= 0
                         (``fit_link``), giving ``collective_overhead``,
@@ -50,6 +49,10 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 import torch.distributed as dist
+
+# NOTE: torch.compile's aot_eager compiler: no public function compiles an fx graph to its
+# boxed Python code (tests/unit/test_torch_internals.py)
+from torch._dynamo.backends.debugging import boxed_nop
 
 from .core import ops
 from .cost_models import (
@@ -111,10 +114,9 @@ def measure_launch(device: torch.device, reps: int = 200) -> float:
 
 
 def measure_step_op(device: torch.device, reps: int = 20) -> float:
-    """Seconds per op of a chain of one-element adds run as the emitted step runs its graph:
-    an fx graph executed node by node (aot_autograd's compiled forward and backward are
-    ``torch.fx.Interpreter`` runs, passes/codegen), so the interpreter's and the
-    dispatcher's cost per node are in it."""
+    """Seconds per op of a chain of one-element adds run as the emitted step runs its graph
+    (passes/codegen: the Python code fx generates for the graph, boxed as aot_autograd
+    calls it), so the cost of a graph's node beyond its kernel is in it."""
     runs = 64
     graph = torch.fx.Graph()
     x = graph.placeholder("x")
@@ -122,9 +124,10 @@ def measure_step_op(device: torch.device, reps: int = 20) -> float:
     for _ in range(runs):
         y = graph.call_function(torch.ops.aten.add.Tensor, (y, x))
     graph.output(y)
-    run = torch.fx.Interpreter(torch.fx.GraphModule(torch.nn.Module(), graph)).run
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
     x0 = torch.ones(1, device=device)
-    return _median_time(lambda: run(x0), device, reps) / runs
+    run = boxed_nop(gm, [x0])
+    return _median_time(lambda: run([x0]), device, reps) / runs
 
 
 def measure_bandwidth(device: torch.device, numel: int, reps: int) -> float:
@@ -198,8 +201,11 @@ def _collective_rank(rank: int, world: int, sizes: Sequence[int], reps: int, dev
         }
         issue = calls[kind]
         times = []
+        # NOTE: one after another, as a step issues them: on gloo a collective that follows
+        # another costs 2-3x one that follows a barrier (1.2-1.6 ms against 0.5 ms for
+        # 8 KiB on this project's 2-core CI machines)
+        dist.barrier()
         for i in range(reps + 1):
-            dist.barrier()
             t0 = time.perf_counter()
             c10d.wait_tensor(issue())
             _sync(device)

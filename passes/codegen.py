@@ -39,14 +39,15 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx.traceback as fx_traceback
 
+# NOTE: torch.compile's aot_eager compiler: no public function compiles an fx graph to its
+# boxed Python code (tests/unit/test_torch_internals.py)
+from torch._dynamo.backends.debugging import boxed_nop
+
 # NOTE: aot_autograd's output descriptors have no public home; the joint graph's output
-# node carries them (tests/unit/test_codegen.py fails if the gradients are not found)
+# node carries them (tests/unit/test_torch_internals.py, test_codegen.py)
 from torch._functorch._aot_autograd.descriptors import GradAOTOutput
 from torch._functorch._aot_autograd.subclass_utils import create_subclass_meta
-from torch._functorch.aot_autograd import (
-    aot_compile_joint_with_descriptors,
-    boxed_nop_preserve_node_meta,
-)
+from torch._functorch.aot_autograd import aot_compile_joint_with_descriptors
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._redistribute import redistribute_local_tensor
@@ -286,12 +287,16 @@ def compile_local_step(step: StepGraph, local: LocalStep):
         tangents, count_symints=False, with_memory_format=True
     )
 
-    # the partitioned graphs, kept for inspection; they run as aot_autograd's default
-    # compiler runs them (an fx Interpreter, node by node)
+    # the partitioned graphs, kept for inspection, run as the Python code fx generates for
+    # them, each input dropped at its last use (torch.compile's aot_eager does the same).
+    # NOTE: aot_autograd's default runs them in an fx Interpreter that sets each node's
+    # metadata as current (for error messages): ~60 us of Python per node on the CI
+    # machine, several times the ops' own time in a small step
+    # (benchmarks/cost_fidelity.py).
     def keep(kind: str):
         def compiler(g: torch.fx.GraphModule, example_inputs):
             local.compiled[kind] = g
-            return boxed_nop_preserve_node_meta(g, example_inputs)
+            return boxed_nop(g, example_inputs)
 
         return compiler
 

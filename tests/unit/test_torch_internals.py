@@ -65,3 +65,20 @@ def test_dispatch_mode_the_memory_probe_subclasses():
     with Probe():
         torch.ones(2) + 1
     assert torch.ops.aten.add.Tensor in seen
+
+
+def test_the_boxed_compiler_codegen_and_calibrate_run_graphs_with():
+    # passes/codegen compiles the partitioned graphs with it, autopar/calibrate times ops
+    # through it; the output descriptors tell codegen which outputs are gradients
+    from torch._dynamo.backends.debugging import boxed_nop
+    from torch._functorch._aot_autograd.descriptors import GradAOTOutput
+
+    assert inspect.isclass(GradAOTOutput)
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    graph.output(graph.call_function(torch.ops.aten.mul.Tensor, (x, x)))
+    run = boxed_nop(torch.fx.GraphModule(nn.Module(), graph), [torch.ones(2)])
+    args = [torch.full((2,), 3.0)]
+    assert getattr(run, "_boxed_call", False)
+    assert torch.equal(run(args), torch.full((2,), 9.0))
+    assert args == []  # the inputs are dropped, so they can be freed before the graph ends
