@@ -7,7 +7,7 @@ per-rank schedule timeline, the memory timeline, the solver's statistics and sta
 and every warning.
 
 The schedule of one rank (``autopar.core.schedule``) is drawn twice: as codegen emits the
-step, and with the reshards too issued as soon as their input is made.
+step, and with every collective issued as soon as its input is made.
 
 ``chrome_trace`` writes both schedules as Chrome trace events (``--trace``: Perfetto,
 chrome://tracing), one process each with a compute and a communication thread.
@@ -404,10 +404,10 @@ def render_html(plan: Plan) -> str:
         '<section id="timeline"><h2>Schedule of one rank</h2>',
         "<p>Compute and communication streams, simulated from the plan's node costs and "
         "collectives (hover a bar for what it holds). Above: the step as emitted, each "
-        "reshard issued when its consumer is reached, each gradient reduction as soon as its "
-        f"gradient is made and waited for at the end ({_ms(emitted_s)} ms). Below: reshards "
-        f"too issued as soon as their input is made ({_ms(overlapped_s)} ms). What the lanes "
-        "share is overlap. Both are drawn on one time axis.</p>",
+        "reshard issued when its consumer is reached and the gradient reductions after the "
+        f"backward ({_ms(emitted_s)} ms). Below: each collective issued as soon as its input "
+        f"is made ({_ms(overlapped_s)} ms); what the lanes share there is overlap. Both are "
+        "drawn on one time axis.</p>",
         _timeline_svg(plan, emitted, length, "timeline-emitted"),
         _timeline_svg(plan, overlapped, length, "timeline-overlapped"),
         "</section>",

@@ -335,8 +335,8 @@ class Plan:
 
     def emitted_step_s(self) -> float:
         """The predicted time of the step codegen emits: one rank's compute and
-        communication streams simulated (``core.schedule``), every reshard waited for where
-        it is consumed, the gradient reductions overlapping the rest of the backward."""
+        communication streams simulated (``core.schedule``), every collective waited for
+        where it is issued (compute plus communication, no overlap credited)."""
         return step_length(schedule(self))
 
     def collective_bytes(self) -> dict[tuple[str, str], int]:
@@ -407,7 +407,7 @@ class Plan:
             f"(compute {c.get('compute_s', 0) * 1e3:.4f} ms, "
             f"communication {c.get('comm_s', 0) * 1e3:.4f} ms)",
             f"the step as emitted, simulated: {self.emitted_step_s() * 1e3:.4f} ms "
-            "(each reshard waited for, gradient reductions overlapping the backward)",
+            "(every collective waited for, nothing overlapped)",
             f"parameter memory per rank: {self.memory.get('param_bytes_per_rank', 0) / 2**20:.2f} MiB"
             f" of {self.memory.get('param_bytes_total', 0) / 2**20:.2f} MiB",
             *self._step_memory_lines(),

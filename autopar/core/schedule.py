@@ -16,17 +16,15 @@ communication, from the plan's per-node costs and predicted collectives:
 Two issue rules give two schedules:
 
     - ``overlap=False``, the step as codegen emits it: a reshard is issued when the compute
-      stream reaches its consumer (the functional collective sits right before it, and the
-      consumer waits); a gradient reduction as soon as its gradient is made, waited for
-      where the step ends (passes/codegen ``issue_reductions_early``; over two mesh axes,
-      the second collective at the end; the loss's reduction, a forward output, where the
-      forward ends). Only the gradient reductions overlap compute.
-    - ``overlap=True``: reshards too are issued as soon as their input is made (when
-      ``src`` ends), as a prefetching runtime would. Its length shows what overlap the plan
-      leaves room for.
+      stream reaches its consumer (the functional collective sits right before it) and the
+      gradient reductions when the backward ends (the graph's outputs, passes/codegen).
+      Nothing overlaps: its length is compute plus communication.
+    - ``overlap=True``: every collective is issued as soon as its input is made (a reshard
+      when ``src`` ends, a gradient reduction when its gradient does), as a prefetching,
+      DDP-style runtime would. Its length shows what overlap the plan leaves room for.
 
 ``Plan.emitted_step_s()`` is the emitted schedule's length: the step time the plan predicts
-for the step codegen emits, its overlap exactly the emitted one's. The solver's objective
+for the step codegen emits, which overlaps nothing. The solver's objective
 (``plan.cost["total_s"]``) is a linear stand-in that the ILP can optimize: it credits a
 fixed share of each gradient reduction as hidden (passes/solve, ``GRAD_OVERLAP``). The
 report states the three lengths side by side.
@@ -109,16 +107,12 @@ def schedule(plan: Plan, *, overlap: bool = False) -> list[Span]:
     into: dict[str, list[dict]] = defaultdict(list)  # reshards, by the point that waits
     after: dict[str, list[dict]] = defaultdict(list)  # what each point's end issues
     grads: list[dict] = []
-    reduced: set[str] = set()
     for c in plan.collectives:
         src, dst = edge_ends(c["edge"])
         if purpose(c) == "gradient reduction":
             grads.append(c)
-            # issued once its gradient exists, in either schedule; a second collective of
-            # the same gradient (two mesh axes) waits for the first, at the step's end
-            if src in position and c["edge"] not in reduced and "param" in c:
+            if overlap and src in position:
                 after[src].append(c)
-            reduced.add(c["edge"])
             continue
         if dst not in position and dst.startswith("recompute:"):
             dst = dst.removeprefix("recompute:")  # a plan whose timeline shows no copies
@@ -140,7 +134,6 @@ def schedule(plan: Plan, *, overlap: bool = False) -> list[Span]:
             comm.append(span)
             comm_clock = ends[id(c)] = span.end_s
 
-    grad_ids = {id(c) for c in grads}
     if overlap:  # a reshard whose input no point makes is ready at the step's start
         issued_later = {id(c) for c in _flat(after)}
         issue([c for c in _flat(into) if id(c) not in issued_later], 0.0)
@@ -155,7 +148,8 @@ def schedule(plan: Plan, *, overlap: bool = False) -> list[Span]:
         if node is not None and (dur > 0 or node.op != "placeholder"):
             compute.append(Span(COMPUTE, p, start, dur, node.module, node.op))
         clock = start + dur
-        issue([c for c in after.get(p, []) if overlap or id(c) in grad_ids], clock)
+        if overlap:
+            issue(after.get(p, []), clock)
     issue(grads + _flat(into), clock)  # (what no point waited for: none in a whole plan)
     return compute + sorted(comm, key=lambda s: s.start_s)
 
