@@ -139,7 +139,8 @@ def _search(step: StepGraph, mesh: Mesh, options: PlanOptions, stats: dict | Non
         state["strategies"], state["solve"], fingerprint=step.fingerprint(), stats=stats
     )
     state["plan"] = plan
-    report = run_stages(REPORT_STAGES, state, plan.stats, skip=options.skip)["memory"]
+    run_stages(REPORT_STAGES, state, plan.stats, skip=options.skip)
+    plan, report = state["plan"], state["memory"]
     if report is not None:
         plan.memory["step"] = report.to_dict()
     return plan

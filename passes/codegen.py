@@ -6,7 +6,8 @@ joint ``GraphModule`` over local shards, with functional collectives (``_c10d_fu
 where the plan redistributes (``build_local_graph``), partitioned and compiled by
 aot_autograd (``compile_local_step``). ``codegen`` does both.
 
-How: an ``fx.Interpreter`` runs the global graph on local tensors, node by node, and
+How: an ``fx.Interpreter`` runs the global graph on local tensors, node by node (in the
+plan's order, passes/order), and
 ``make_fx`` records what it does. For each node, with strategy ``s``:
 
     1. each tensor input arrives with its producer's output placement ``p`` and is
@@ -61,7 +62,7 @@ from autopar.core import (
     roles,
 )
 
-from . import remat
+from . import order, remat
 from .trace import StepGraph
 
 __all__ = [
@@ -228,7 +229,7 @@ class _Localizer(torch.fx.Interpreter):
 
 def build_local_graph(step: StepGraph, plan: Plan, dmesh) -> LocalStep:
     """Trace the local step graph of ``plan`` on ``dmesh`` (see the module docstring)."""
-    gm, copy_of = remat.checkpointed(step.gm, plan.recompute)
+    gm, copy_of = remat.checkpointed(order.apply(step.gm, plan.order), plan.recompute)
     interp = _Localizer(gm, plan, dmesh, copy_of)
     local_args = []
     for n in step.placeholders():

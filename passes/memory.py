@@ -8,7 +8,8 @@ by category, and the timeline. passes/solve bounds the same quantity in its ILP.
 Two parts. ``liveness(space)`` depends on the graph alone, not on the placements: which
 storage each tensor lives on, and from which node to which node it is live. ``measure``
 sizes those storages under a choice of placements and sweeps over the step. The model of the
-emitted step (codegen runs the joint graph in its traced order, on local tensors):
+emitted step (codegen runs the joint graph on local tensors, in its traced order or the one
+passes/order chose, ``plan.order``):
 
     size(s, P)   = prod(local_shape(shape(s), P(s), mesh)) * itemsize(s)
                    P(s): the placement of the output that made storage s (placeholders:
@@ -47,9 +48,14 @@ counted live to the later of them whatever is chosen (an overestimate).
 Categories: ``parameters`` (parameters and buffers, the whole step; a tied parameter once),
 ``inputs`` (inputs and targets, the whole step), ``gradients`` (a parameter's gradient, from
 its node to the end: the optimizer reads it), ``activations`` (made in the forward, last used
-in the backward: saved for it; and a recomputed copy), ``temporaries`` (every other op output, and the tangent),
+in the backward: saved for it; and a recomputed copy), ``temporaries`` (every other op output,
+and the tangent, from its first read: the backward makes it),
 ``collective_buffers``, ``optimizer_state`` (per parameter shard: AdamW two float32 moments,
 SGD with momentum one, none zero; constant over the step).
+
+Layout: ``arena_bytes`` places every storage (and collective buffer) at an offset of one
+arena per rank (passes/layout) in the order the step runs; the peak counts no
+fragmentation, the arena does.
 
 What it leaves out: the allocator's rounding and fragmentation, and kernels' own workspace.
 Where it can be off: the emitted step runs aot_autograd's partitioned forward and backward
@@ -72,6 +78,7 @@ from torch.distributed.tensor import Replicate
 
 from autopar.core import Plan, Recompute, StrategySpace, local_shape, parse_placements, roles
 
+from .layout import arena
 from .remat import COPY, storage_map
 
 __all__ = [
@@ -198,6 +205,9 @@ class MemoryReport:
         points: the ``Liveness`` point of each timeline entry (the copies of a layer not
             checkpointed are not in the step).
         recompute: the fold groups checkpointed (passes/remat).
+        arena_bytes: one arena holding every storage of the step at an offset of its own
+            (passes/layout), plus the optimizer state: at least ``peak_bytes``; the rest
+            is what a static layout loses to fragmentation.
     """
 
     peak_bytes: int
@@ -208,6 +218,7 @@ class MemoryReport:
     optimizer: str = "adamw"
     points: list[int] = field(default_factory=list)
     recompute: list[str] = field(default_factory=list)
+    arena_bytes: int = 0
 
     @property
     def peak_index(self) -> int:
@@ -230,6 +241,7 @@ class MemoryReport:
             "at_peak": dict(self.at_peak),
             "optimizer": self.optimizer,
             "recompute": list(self.recompute),
+            "arena_bytes": self.arena_bytes,
         }
         if timeline:
             d["timeline"] = {
@@ -274,9 +286,14 @@ def liveness(space: StrategySpace, recompute: Sequence[Recompute] = ()) -> Liven
     cond_last: dict[tuple[str, int], dict[tuple[str, bool], int]] = defaultdict(dict)
     params: list[str] = []
 
+    tangents: set[tuple[str, int]] = set()
+
     def read(key, i: int, when=None) -> None:
         if key not in life:  # (an output that is not a tensor has no storage)
             return
+        if key in tangents:  # the backward makes it: live from its first read
+            tangents.discard(key)
+            life[key][0] = i
         if when is None:
             life[key][1] = max(life[key][1], i)
         else:
@@ -293,6 +310,8 @@ def liveness(space: StrategySpace, recompute: Sequence[Recompute] = ()) -> Liven
                 category = "inputs"
             else:
                 category = "temporaries"
+                if role == roles.TANGENT:
+                    tangents.add((name, 0))
             life[(name, 0)] = [i, i, category]
             continue
         g = unit_at[i]
@@ -417,10 +436,12 @@ def measure(
     delta = {c: [0] * (n + 1) for c in CATEGORIES}
     opt = 0
     param_set = set(lv.params)
+    blocks: list[tuple[int, int, int]] = []  # (first, last, size): passes/layout
     for s in lv.storages:
         if not s.counts(recompute):
             continue
         size = s.nbytes(out_ps(s.owner, s.out), mesh_shape)
+        blocks.append((s.first, min(s.last, n - 1), size))
         d = delta[s.category]
         d[s.first] += size
         if s.last + 1 <= n:
@@ -429,7 +450,9 @@ def measure(
             opt += optimizer_bytes(s, out_ps(s.owner, s.out), mesh_shape, optimizer)
     for src, so, target, category in output_redistributions(lv, out_ps):
         shape, dtype = space.tensor(src, so)
-        delta[category][n - 1] += local_bytes(shape, dtype, target, mesh_shape)
+        size = local_bytes(shape, dtype, target, mesh_shape)
+        delta[category][n - 1] += size
+        blocks.append((n - 1, n - 1, size))
     buffers = delta["collective_buffers"]
     for i, name in enumerate(lv.node_at):
         if space.targets[name] == "placeholder" or not lv.shown(i, recompute):
@@ -445,6 +468,7 @@ def measure(
             size = local_bytes(shape, dtype, q, mesh_shape)
             buffers[i] += size
             buffers[i + 1] -= size
+            blocks.append((i, i, size))
     shown = [i for i in range(n) if lv.shown(i, recompute)]
     by_category: dict[str, list[int]] = {}
     for c in CATEGORIES:
@@ -456,7 +480,9 @@ def measure(
     by_category["optimizer_state"] = [opt] * len(shown)
     totals = [sum(by_category[c][k] for c in CATEGORIES) for k in range(len(shown))]
     peak = max(range(len(shown)), key=lambda k: totals[k])
+    _, arena_bytes = arena(blocks)
     return MemoryReport(
+        arena_bytes=arena_bytes + opt,
         peak_bytes=totals[peak],
         peak_node=lv.point_name(shown[peak]),
         at_peak={c: by_category[c][peak] for c in CATEGORIES},
@@ -469,7 +495,8 @@ def measure(
 
 
 def simulate(space: StrategySpace, plan: Plan, optimizer: str = "adamw") -> MemoryReport:
-    """The per-rank memory of ``plan``'s step (see the module docstring)."""
+    """The per-rank memory of ``plan``'s step, in the order it runs (``plan.order``, else
+    the traced one; see the module docstring)."""
     cache: dict = {}
 
     def parsed(text):
@@ -489,5 +516,7 @@ def simulate(space: StrategySpace, plan: Plan, optimizer: str = "adamw") -> Memo
             return None
         return parsed(choice.ins[j])
 
+    if plan.order:  # the order passes/order chose (placeholders first, as traced)
+        space = replace(space, order=list(plan.order))
     lv = liveness(space, plan.recompute)
     return measure(lv, out_ps, in_ps, optimizer, {r.group for r in plan.recompute})

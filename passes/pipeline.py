@@ -13,9 +13,14 @@ to ``stats``. The pipeline of docs/architecture.md, as entries:
     strategies   trace, fold, mesh                       StrategySpace strategies
     solve        strategies, options                     Solution      the solver's (problem
                                                                        size, status, phases)
-    memory       strategies, plan, options                   MemoryReport  step_peak_bytes
-                 (on the Plan assembled after solve;
-                 into plan.memory["step"])
+    order        strategies, trace, plan                 Ordering      order_segments,
+                 (on the Plan assembled after solve;                   order_exact, ...,
+                 the state's plan is replaced by                       traced_peak_bytes
+                 one with plan.order)
+    memory       strategies, plan, options                   MemoryReport  step_peak_bytes,
+                                                                       arena_bytes
+                 (into plan.memory["step"], in
+                 plan.order)
     codegen      trace, plan, dmesh                      CompiledStep  local_nodes,
                                                                        local_collectives
 
@@ -23,12 +28,13 @@ to ``stats``. The pipeline of docs/architecture.md, as entries:
 ``stats["<name>_s"]`` and the stage's own statistics, and logs one line (logger
 ``autopar``). A stage named in ``skip`` does not run: its output is None and its statistics
 say so; only stages marked ``skippable`` may be skipped (``fold``: ``fold=False`` of the
-public API is ``skip={"fold"}``; ``memory``). A new stage is a new entry in a list (``PLAN_STAGES``,
+public API is ``skip={"fold"}``; ``order``: the traced order; ``memory``). A new stage is a new entry in a list (``PLAN_STAGES``,
 ``COMPILE_STAGES``), not an edit of the driver.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -42,6 +48,7 @@ from autopar.core import CompiledStep, Solution, StrategySpace
 from .codegen import codegen
 from .fold import FoldedGraph, fold_regions
 from .memory import OPTIMIZERS, MemoryReport, simulate
+from .order import Ordering, order_step
 from .pins import Pin
 from .pins import resolve as resolve_pins
 from .solve import DEVICE_BUDGET, solve
@@ -78,7 +85,7 @@ class PlanOptions:
     whole step."""
 
     skip: frozenset[str] = frozenset()
-    """Names of stages not to run (only skippable ones: ``fold``, ``memory``)."""
+    """Names of stages not to run (only skippable ones: ``fold``, ``order``, ``memory``)."""
 
     optimizer: str = "adamw"
     """Whose state the step memory counts (passes/memory.OPTIMIZERS)."""
@@ -248,12 +255,36 @@ def _codegen_stats(compiled: CompiledStep | None) -> dict:
     }
 
 
+def _order(state: dict) -> Ordering:
+    plan = state["plan"]
+    ordering = order_step(state["strategies"], state["trace"].gm, plan)
+    if ordering.changed:  # the plan the later stages read, and the caller takes
+        state["plan"] = dataclasses.replace(plan, order=tuple(ordering.order))
+    # the traced order's peak as passes/memory measures it (optimizer state, the return)
+    ordering.traced_step_peak = simulate(
+        state["strategies"], plan, optimizer=state["options"].optimizer
+    ).peak_bytes
+    return ordering
+
+
+def _order_stats(ordering: Ordering | None) -> dict:
+    if ordering is None:
+        return {"order": False}
+    return {
+        "order": ordering.changed,
+        **{f"order_{k}": v for k, v in ordering.stats.items()},
+        "traced_peak_bytes": ordering.traced_step_peak,
+    }
+
+
 def _memory(state: dict) -> MemoryReport:
     return simulate(state["strategies"], state["plan"], optimizer=state["options"].optimizer)
 
 
 def _memory_stats(report: MemoryReport | None) -> dict:
-    return {} if report is None else {"step_peak_bytes": report.peak_bytes}
+    if report is None:
+        return {}
+    return {"step_peak_bytes": report.peak_bytes, "arena_bytes": report.arena_bytes}
 
 
 TRACE = Stage("trace", _trace, _trace_stats)
@@ -263,8 +294,12 @@ PLAN_STAGES = (
     Stage("solve", _solve, lambda sol: dict(sol.stats)),
 )
 """From a traced step to a solution: what ``autopar.plan`` runs after ``TRACE``."""
-REPORT_STAGES = (Stage("memory", _memory, _memory_stats, skippable=True),)
-"""On the assembled Plan: the step memory per rank (passes/memory), into ``plan.memory``."""
+REPORT_STAGES = (
+    Stage("order", _order, _order_stats, skippable=True),
+    Stage("memory", _memory, _memory_stats, skippable=True),
+)
+"""On the assembled Plan: the operator order (passes/order), into ``plan.order``, and the
+step memory per rank in that order (passes/memory), into ``plan.memory``."""
 COMPILE_STAGES = (Stage("codegen", _codegen, _codegen_stats),)
 """From a plan to the compiled local step: what ``autopar.compile`` runs after planning."""
 ALL_STAGES = (TRACE, *PLAN_STAGES, *REPORT_STAGES, *COMPILE_STAGES)

@@ -182,6 +182,8 @@ class Plan:
         warnings: ops replicated for lack of a rule, and similar notes.
         recompute: the layers whose activations the step recomputes in the backward
             (activation checkpointing, passes/remat).
+        order: every node of the step in the order it runs, when passes/order chose
+            another than the traced one for its peak memory (empty: the traced order).
         stats: planning statistics: problem size, solver status, and timings
             (``trace_s``, ``search_s`` and per stage ``*_s``).
         versions: versions of autopar and torch that made the plan.
@@ -203,6 +205,7 @@ class Plan:
     stats: dict = field(default_factory=dict)
     versions: dict = field(default_factory=dict)
     recompute: tuple[Recompute, ...] = ()
+    order: tuple[str, ...] = ()
 
     # -- construction --------------------------------------------------------------------
 
@@ -359,10 +362,25 @@ class Plan:
         )
         budget = self.stats.get("memory_budget")
         of = "" if budget is None else f" of a {budget / 2**20:.2f} MiB budget"
-        return [
+        lines = [
             f"step memory peak per rank: {step['peak_bytes'] / 2**20:.2f} MiB{of} at "
             f"{step['peak_node']} ({step['optimizer']}; MiB: {parts})"
         ]
+        traced = self.stats.get("traced_peak_bytes")
+        if traced:
+            moved = self.stats.get("order_moved", 0)
+            lines.append(
+                f"operator order: peak {step['peak_bytes'] / 2**20:.2f} MiB, traced order "
+                f"{traced / 2**20:.2f} MiB ({step['peak_bytes'] / traced - 1:+.1%}; "
+                f"{moved} nodes moved)"
+            )
+        if step.get("arena_bytes"):
+            lines.append(
+                f"layout: every tensor at an offset of one arena of "
+                f"{step['arena_bytes'] / 2**20:.2f} MiB per rank "
+                f"({step['arena_bytes'] / step['peak_bytes'] - 1:+.1%} over the peak)"
+            )
+        return lines
 
     def checkpointing_text(self) -> str:
         """The layers checkpointed, their indices as ranges: ``model.layers.{0..31}``."""
@@ -471,6 +489,7 @@ class Plan:
             "memory": dict(self.memory),
             "warnings": list(self.warnings),
             "recompute": [r.to_dict() for r in self.recompute],
+            "order": list(self.order),
             "stats": stats,
             "versions": dict(self.versions),
         }
@@ -503,6 +522,7 @@ class Plan:
             stats=dict(d["stats"]),
             versions=dict(d["versions"]),
             recompute=tuple(Recompute.from_dict(r) for r in d.get("recompute", ())),
+            order=tuple(d.get("order", ())),
         )
 
     @classmethod

@@ -80,3 +80,14 @@ def test_the_boxed_compiler_codegen_and_calibrate_run_graphs_with():
     assert getattr(run, "_boxed_call", False)
     assert torch.equal(run(args), torch.full((2,), 9.0))
     assert args == []  # the inputs are dropped, so they can be freed before the graph ends
+
+
+def test_op_schemas_say_what_aliases_and_what_writes():
+    # passes/remat.is_alias (a view shares its input's storage: passes/memory) and
+    # passes/order (an op writing an input keeps its place) read an op's schema
+    view = torch.ops.aten.view.default._schema
+    assert view.returns[0].alias_info is not None
+    assert torch.ops.aten.mm.default._schema.returns[0].alias_info is None
+    add_ = torch.ops.aten.add_.Tensor._schema
+    assert add_.arguments[0].alias_info is not None and add_.arguments[0].alias_info.is_write
+    assert torch.Tag.nondeterministic_seeded in torch.ops.aten.bernoulli.default.tags

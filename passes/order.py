@@ -1,0 +1,588 @@
+"""Operator order: the order the planned step runs its nodes in, chosen for its peak memory.
+
+Takes: the ``StrategySpace`` (passes/strategies: the step's nodes in traced order, their
+tensors and edges), the traced ``StepGraph`` (its fx graph: every dependency, tensor or not)
+and a ``Plan``. Returns: an ``Ordering``: every node of the step in the order chosen, the
+peak per rank of the traced order and of the chosen one under passes/memory's model, and
+how it was solved. codegen runs the step in that order (``apply``); passes/memory measures
+it (``plan.order``), so the peak the plan reports is the peak of the order that runs.
+
+The model is passes/memory's, restated on sets of nodes. A storage ``s`` (made by a node,
+shared by its views and in-place updates) has a size under the plan, ``size(s)``, its
+readers ``R(s)`` (the nodes that read any tensor on it) and is pinned when it lives to the
+end of the step whatever the order (parameters, inputs, graph outputs). After the nodes
+of a set ``D`` closed under dependencies have run, the bytes live are
+
+    live(D)      = sum of size(s) over the storages made in D (a tangent: read in D, the
+                   backward makes it) that are pinned or have a reader outside D
+    during(D, v) = live(D) + size of what v makes (and of a tangent v reads first)
+                   + v's collective buffers
+
+live(D) is a function of the set D alone, not of the order it ran in. An order
+``v_1 .. v_n`` has peak ``max_k during({v_1..v_k-1}, v_k)``: exactly passes/memory's
+``bytes(i)`` at every node (the point after the return adds the same bytes to every order
+and is left out). Minimising that peak is a bottleneck shortest path over the lattice of
+dependency-closed sets, ``best(D + v) = min(best(D + v), max(best(D), during(D, v)))``,
+solved layer by layer (sets of k units, then k + 1). This is the exact search ROAM and
+MODeL hand an ILP solver; because live(D) depends on D alone it needs none: a dynamic
+program over sets, exact where the sets are few (a segment's nodes are mostly a chain).
+
+Units. Views and other nodes that make no storage and run no collective change no live
+byte: they are left out of the search, and each runs just before the first node that reads
+it. A node that reads only what lives through the whole step (a parameter's mixed-precision
+cast, a weight times the input) frees nothing when it runs, so running it later never
+raises a point between: it joins the unit of the first node that reads it and runs just
+before it. The search orders the remaining nodes with those they bring: the units.
+
+Decomposition (ROAM's key points). The forward runs before the backward (aot_autograd's
+partition runs them so). Within each, a unit that every other unit either precedes or
+follows runs at one position in every order; the set run before it is fixed, so the
+segments between such units are ordered independently, and the step's peak is the largest
+segment peak. A segment longer than ``window`` units is cut into windows of consecutive
+traced units (a traced prefix is closed under dependencies, so each window is ordered
+alone). Only the peak matters: the segment at the peak is searched, then the one at the
+new peak, until the segment at the peak gains nothing; the others keep the traced order.
+
+Per segment: exact while a layer of the search holds at most ``beam`` sets; above, the
+``beam`` sets of least (peak, live bytes) are kept (a beam search; ``Ordering.stats``
+counts the ``exact`` ones). The result is never worse than the traced order: a searched
+segment that does not lower its peak keeps the traced one, and so does the step if the
+whole order does not. Ties go to the traced order (the set whose nodes come earliest in
+it), and the order is deterministic.
+
+What keeps its relative order: ops that draw random numbers (dropout: reordering them would
+change which numbers each draws), ops that mutate an input, and the recomputed copies of a
+checkpointed step (a plan with ``recompute`` is run in traced order: the copies are placed
+by passes/remat).
+"""
+
+from __future__ import annotations
+
+import copy
+import heapq
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from autopar.core import Plan, StrategySpace, parse_placements, roles
+
+from .memory import local_bytes
+from .remat import storage_map
+
+__all__ = ["Ordering", "apply", "order_step"]
+
+BEAM = 64
+"""Sets kept per layer of a segment's search above which it is a beam search."""
+WINDOW = 48
+"""Units per search: a longer segment is ordered this many traced units at a time."""
+END_OF_FORWARD, END = -2, -1
+"""Where a neutral node that no node of its part reads runs (``_Units.hang``)."""
+
+
+@dataclass
+class Ordering:
+    """The order chosen for a step (module docstring).
+
+    Attributes:
+        order: every node name of the step, placeholders first, in the order it runs.
+        traced_peak / peak: the peak bytes per rank of the traced order and of ``order``
+            under the model of the module docstring (the return's point left out).
+        stats: ``segments`` (and windows) of the step, ``searched`` of them, ``exact``
+            of those solved exactly, the ``largest``'s unit count, ``moved`` nodes not at
+            their traced position (the pass runner records its time, ``order_s``).
+    """
+
+    order: list[str]
+    traced_peak: int
+    peak: int
+    stats: dict = field(default_factory=dict)
+    traced_step_peak: int = 0
+    """The traced order's peak as passes/memory measures the whole step (optimizer state
+    and the return included; set by the pipeline)."""
+
+    @property
+    def changed(self) -> bool:
+        return self.peak < self.traced_peak
+
+
+def _mutates_or_draws(target) -> bool:
+    """The op draws random numbers or writes one of its inputs: it keeps its place among
+    such ops.
+
+    NOTE: an op's schema (``_schema``) is the only record of which arguments it writes
+    (tests/unit/test_torch_internals.py)."""
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    if torch.Tag.nondeterministic_seeded in target.tags:
+        return True
+    return any(a.alias_info is not None and a.alias_info.is_write for a in target._schema.arguments)
+
+
+class _Problem:
+    """The step as sets of nodes: positions, dependencies, storages (module docstring)."""
+
+    def __init__(self, space: StrategySpace, gm: torch.fx.GraphModule, plan: Plan):
+        self.space = space
+        mesh_shape = tuple(space.mesh.shape)
+        order = [n for n in space.order if space.targets[n] != "placeholder"]
+        self.placeholders = [n for n in space.order if space.targets[n] == "placeholder"]
+        self.names = order
+        self.backward = [space.roles[name] == roles.BACKWARD for name in order]
+        pos = {n: i for i, n in enumerate(order)}
+        self.pos = pos
+        n = len(order)
+        cache: dict = {}
+
+        def parsed(text):
+            if text not in cache:
+                cache[text] = parse_placements(text)
+            return cache[text]
+
+        def out_ps(name, idx):
+            c = plan.nodes.get(name)
+            if c is None or idx >= len(c.out) or c.out[idx] is None:
+                return None
+            return parsed(c.out[idx])
+
+        # dependencies from the fx graph (every input node, tensor or not)
+        fx_nodes = {x.name: x for x in gm.graph.nodes}
+        self.preds: list[list[int]] = [[] for _ in range(n)]
+        for name in order:
+            for a in fx_nodes[name].all_input_nodes:
+                if a.name in pos:
+                    self.preds[pos[name]].append(pos[a.name])
+        # ops that draw random numbers or write an input keep their relative order
+        chained = [i for i, name in enumerate(order) if _mutates_or_draws(space.targets[name])]
+        for a, b in zip(chained, chained[1:]):
+            self.preds[b].append(a)
+
+        storage_of = storage_map(space)
+        self.size: dict[tuple, int] = {}
+        self.pinned: set[tuple] = set()
+        self.tangents: set[tuple] = set()
+        readers: dict[tuple, set[int]] = {}
+        self.makes: list[list[tuple]] = [[] for _ in range(n)]
+        for (node, idx), key in storage_of.items():
+            if key != (node, idx):
+                continue
+            shape, dtype = space.tensor(node, idx)
+            counted = node not in space.aliases
+            self.size[key] = (
+                local_bytes(shape, dtype, out_ps(node, idx), mesh_shape) if counted else 0
+            )
+            readers[key] = set()
+            if node in pos:
+                self.makes[pos[node]].append(key)
+            elif space.roles[node] == roles.TANGENT:
+                self.tangents.add(key)  # the backward makes it: live from its first read
+            else:
+                self.pinned.add(key)  # parameters, buffers, inputs: the whole step
+        for sink in space.sinks:
+            out = storage_of.get((sink.src, sink.src_out))
+            if out is not None:
+                self.pinned.add(out)
+        self.transient = [0] * n
+        for name in order:
+            i = pos[name]
+            choice = plan.nodes.get(name)
+            for j, (src, so) in enumerate(space.in_sources[name]):
+                read = storage_of.get((src, so))
+                if read is not None:
+                    readers[read].add(i)
+                q = parsed(choice.ins[j]) if choice is not None and j < len(choice.ins) else None
+                p = out_ps(src, so)
+                if q is not None and p is not None and tuple(p) != tuple(q):
+                    shape, dtype = space.tensor(src, so)
+                    self.transient[i] += local_bytes(shape, dtype, q, mesh_shape)
+        # nodes that change no live byte (views, getitem, ...): placed, not searched
+        self.new = [0] * n
+        for i in range(n):
+            self.new[i] = sum(self.size[k] for k in self.makes[i])
+        self.neutral = [
+            self.new[i] == 0
+            and self.transient[i] == 0
+            and not _mutates_or_draws(space.targets[order[i]])
+            for i in range(n)
+        ]
+        # who reads each storage: every node (the step as it runs), and the searched nodes
+        # only (the search, where a neutral node runs just before its first searched reader)
+        self.reads: list[list[tuple]] = [[] for _ in range(n)]
+        self.readers_all: dict[tuple, int] = {}
+        self.readers_searched: dict[tuple, int] = {}
+        for key, rs in readers.items():
+            m = s = 0
+            for r in rs:
+                m |= 1 << r
+                if not self.neutral[r]:
+                    s |= 1 << r
+                self.reads[r].append(key)
+            self.readers_all[key] = m
+            self.readers_searched[key] = s
+        self.touch = [list(dict.fromkeys(self.reads[i] + self.makes[i])) for i in range(n)]
+        # the bytes live before the first node: what the parameters and inputs hold
+        self.base = sum(self.size[key] for key in self.pinned if key[0] not in pos)
+        self.tangent_reads = [[k for k in self.reads[i] if k in self.tangents] for i in range(n)]
+
+    # -- the model ---------------------------------------------------------------------
+
+    def step(self, done: int, live: int, i: int, searched: bool = True) -> tuple[int, int]:
+        """Run node ``i`` after the set ``done``: (bytes during it, bytes live after).
+        ``searched``: the readers that count are the searched nodes (else every node)."""
+        readers = self.readers_searched if searched else self.readers_all
+        made = self.new[i]
+        for key in self.tangent_reads[i]:  # a tangent's first reader brings it
+            if readers[key] & done == 0:
+                made += self.size[key]
+        during = live + made + self.transient[i]
+        after_done = done | (1 << i)
+        freed = 0
+        for key in self.touch[i]:
+            if key in self.pinned:
+                continue
+            if readers[key] & ~after_done == 0:
+                freed += self.size[key]
+        return during, live + made - freed
+
+    def peak_of(
+        self, seq: Sequence[int], done: int, live: int, searched: bool = True
+    ) -> tuple[int, int, int]:
+        """(peak, set done after, live after) running ``seq`` after ``done``."""
+        peak = 0
+        for i in seq:
+            during, live = self.step(done, live, i, searched)
+            done |= 1 << i
+            peak = max(peak, during)
+        return peak, done, live
+
+
+@dataclass
+class _Units:
+    """The search's units (module docstring): ``heads`` in traced order, each with the
+    nodes it runs (``members``: what it alone reads of the parameters' computations, then
+    itself), the heads it follows (``preds``), and the neutral nodes that run just before
+    each node (``hang``; ``hang[END_OF_FORWARD]`` / ``hang[END]``: read by no node of
+    their part, run at its end)."""
+
+    heads: list[int]
+    members: dict[int, list[int]]
+    preds: dict[int, list[int]]
+    hang: dict[int, list[int]]
+
+
+def _units(p: _Problem) -> _Units:
+    n = len(p.names)
+    users: list[list[int]] = [[] for _ in range(n)]
+    for i in range(n):
+        for a in p.preds[i]:
+            users[a].append(i)
+    # nodes that read only what lives through the whole step (a parameter's
+    # mixed-precision cast, a product of a weight and the input): running one frees
+    # nothing, so it runs just before the first node that reads it, in that node's unit
+    source = [False] * n
+    for i in range(n):
+        source[i] = (
+            not p.neutral[i]
+            and not _mutates_or_draws(p.space.targets[p.names[i]])
+            and all(k in p.pinned for k in p.reads[i])
+            and all(p.neutral[a] or source[a] for a in p.preds[i])
+        )
+
+    def first_reader(i: int, passes) -> int | None:
+        """The earliest (in traced order) node reading ``i`` through nodes ``passes``."""
+        first = None
+        stack, seen = list(users[i]), set()
+        while stack:
+            u = stack.pop()
+            if u in seen:
+                continue
+            seen.add(u)
+            if passes(u):
+                stack.extend(users[u])
+            elif first is None or u < first:
+                first = u
+        return first
+
+    # a node stays in its part: aot_autograd's default partition takes every node up to
+    # the last forward one as the forward, by position
+    backward = p.backward
+    head_of = list(range(n))
+    for i in range(n):
+        if source[i]:
+            c = first_reader(i, lambda u: p.neutral[u])
+            head_of[i] = i if c is None or backward[c] != backward[i] else c
+    hang: dict[int, list[int]] = {}
+    for i in range(n):
+        if p.neutral[i]:
+            c = first_reader(i, lambda u: p.neutral[u])
+            if c is None or backward[c] != backward[i]:  # at the end of its part
+                c = END if backward[i] else END_OF_FORWARD
+            hang.setdefault(c, []).append(i)
+    # a node's nearest non-neutral ancestors, through neutral nodes
+    through: list[set[int]] = [set() for _ in range(n)]
+    members: dict[int, list[int]] = {}
+    preds: dict[int, set[int]] = {}
+    for i in range(n):
+        acc: set[int] = set()
+        for a in p.preds[i]:
+            if p.neutral[a]:
+                acc |= through[a]
+            else:
+                acc.add(a)
+        if p.neutral[i]:
+            through[i] = acc
+            continue
+        h = head_of[i]
+        members.setdefault(h, []).append(i)
+        preds.setdefault(h, set()).update(head_of[a] for a in acc)
+    heads = sorted(members)
+    return _Units(
+        heads=heads,
+        members=members,
+        preds={h: sorted(preds[h] - {h}) for h in heads},
+        hang=hang,
+    )
+
+
+def _segments(searched: list[int], spreds) -> list[list[int]]:
+    """Split ``searched`` (in traced order; its dependencies on nodes before it are met)
+    at its key points (module docstring)."""
+    idx = {v: k for k, v in enumerate(searched)}
+    m = len(searched)
+    anc = [0] * m
+    for k, v in enumerate(searched):
+        a = 0
+        for u in spreds[v]:
+            if u in idx:
+                a |= anc[idx[u]] | (1 << idx[u])
+        anc[k] = a
+    desc = [0] * m
+    succ: list[list[int]] = [[] for _ in range(m)]
+    for k, v in enumerate(searched):
+        for u in spreds[v]:
+            if u in idx:
+                succ[idx[u]].append(k)
+    for k in range(m - 1, -1, -1):
+        d = 0
+        for s in succ[k]:
+            d |= desc[s] | (1 << s)
+        desc[k] = d
+    segments: list[list[int]] = []
+    cur: list[int] = []
+    for k, v in enumerate(searched):
+        if anc[k].bit_count() + desc[k].bit_count() == m - 1:  # a key point
+            if cur:
+                segments.append(cur)
+            segments.append([v])
+            cur = []
+        else:
+            cur.append(v)
+    if cur:
+        segments.append(cur)
+    return segments
+
+
+def _order_segment(
+    p: _Problem, seg: list[int], units: _Units, done: int, live: int, beam: int
+) -> tuple[list[int], bool]:
+    """The order of the units ``seg`` of least peak after ``done`` (module docstring);
+    whether the search was exact."""
+    inside = set(seg)
+    succ: dict[int, list[int]] = {v: [] for v in seg}
+    pred_mask: dict[int, int] = {}
+    for v in seg:
+        m = 0
+        for u in units.preds[v]:
+            if u in inside:
+                succ[u].append(v)
+                m |= 1 << u
+        pred_mask[v] = m
+    ready0 = tuple(v for v in seg if pred_mask[v] == 0)
+    members = units.members
+    # a layer: units run (by head) -> (peak so far, live bytes, nodes run, ready heads,
+    # parent, head run)
+    layer: dict[int, tuple] = {0: (0, live, done, ready0, None, None)}
+    history: list[dict[int, tuple]] = []
+    exact = True
+    for _ in range(len(seg)):
+        nxt: dict[int, tuple] = {}
+        for key, (peak, lv, d, ready, _, _) in layer.items():
+            for v in ready:
+                np_, nd, after = p.peak_of(members[v], d, lv)
+                np_ = max(peak, np_)
+                nkey = key | (1 << v)
+                old = nxt.get(nkey)
+                if old is not None and (old[0], old[1]) <= (np_, after):
+                    continue
+                nr = tuple(r for r in ready if r != v) + tuple(
+                    s for s in succ[v] if pred_mask[s] & ~nkey == 0
+                )
+                nxt[nkey] = (np_, after, nd, nr, key, v)
+        if len(nxt) > beam:
+            exact = False
+            # least peak, then least live, then the set that is earliest in traced order
+            keep = sorted(nxt, key=lambda k: (nxt[k][0], nxt[k][1], k))[:beam]
+            nxt = {k: nxt[k] for k in keep}
+        history.append(layer)
+        layer = nxt
+    final = min(layer, key=lambda k: (layer[k][0], k))
+    seq: list[int] = []
+    key = final
+    for past in reversed(history + [layer]):
+        entry = past[key]
+        if entry[5] is None:
+            break
+        seq.append(entry[5])
+        key = entry[4]
+    seq.reverse()
+    return seq, exact
+
+
+def _run_units(p: _Problem, heads: Sequence[int], units: _Units, done: int, live: int):
+    """(peak, nodes run after, live after) running the units ``heads`` after ``done``."""
+    peak = 0
+    for h in heads:
+        mine, done, live = p.peak_of(units.members[h], done, live)
+        peak = max(peak, mine)
+    return peak, done, live
+
+
+def order_step(
+    space: StrategySpace,
+    gm: torch.fx.GraphModule,
+    plan: Plan,
+    *,
+    beam: int = BEAM,
+    window: int = WINDOW,
+) -> Ordering:
+    """The order of least peak memory for ``plan``'s step (module docstring)."""
+    p = _Problem(space, gm, plan)
+    n = len(p.names)
+    traced = list(range(n))
+    traced_peak, _, _ = p.peak_of(traced, 0, p.base, searched=False)
+    if plan.recompute:
+        return Ordering(
+            list(space.order),
+            traced_peak,
+            traced_peak,
+            {"segments": 0, "searched": 0, "exact": 0, "largest": 0, "moved": 0},
+        )
+    units = _units(p)
+    # the forward runs before the backward, as aot_autograd's partition runs them
+    segments = []
+    for part in (roles.FORWARD, roles.BACKWARD):
+        mine = [h for h in units.heads if p.space.roles[p.names[h]] == part]
+        segments += _segments(mine, units.preds)
+    if sum(map(len, segments)) != len(units.heads):
+        raise AssertionError("order: a node neither forward nor backward")
+    # a segment larger than a window is ordered a window of traced units at a time (each
+    # window's nodes are closed under dependencies with everything traced before it)
+    segments = [seg[k : k + window] for seg in segments for k in range(0, len(seg), window)]
+    # the live set where a segment starts is the same whatever order the others take:
+    # the step's peak is the largest segment peak, so only the segment at the peak is
+    # searched, then the one at the new peak, until the one at the peak gains nothing
+    seqs: list[list[int]] = []
+    starts: list[tuple[int, int]] = []
+    heap: list[tuple[int, int]] = []
+    done, live = 0, p.base
+    for k, seg in enumerate(segments):
+        starts.append((done, live))
+        seqs.append(seg)
+        peak_k, done, live = _run_units(p, seg, units, done, live)
+        heapq.heappush(heap, (-peak_k, k))
+    searched: set[int] = set()
+    exact_count = 0
+    while heap:
+        neg, k = heapq.heappop(heap)
+        if k in searched or len(segments[k]) == 1:
+            break  # the peak's segment is as low as it gets
+        searched.add(k)
+        seq, exact = _order_segment(p, segments[k], units, *starts[k], beam)
+        exact_count += exact
+        mine, _, _ = _run_units(p, seq, units, *starts[k])
+        if mine < -neg:
+            seqs[k] = seq
+            heapq.heappush(heap, (-mine, k))
+        else:
+            break  # nothing gained where the peak is: the traced order stays
+    chosen = [h for seq in seqs for h in seq]
+    # each unit's nodes, each after the neutral nodes it reads first (in traced order
+    # among themselves); at the end of each part, its neutral nodes read in no other
+    full: list[int] = []
+    for k, h in enumerate(chosen):
+        if p.backward[h] and (k == 0 or not p.backward[chosen[k - 1]]):
+            full.extend(units.hang.get(END_OF_FORWARD, ()))
+        for v in units.members[h]:
+            full.extend(units.hang.get(v, ()))
+            full.append(v)
+    if not any(p.backward[h] for h in chosen):
+        full.extend(units.hang.get(END_OF_FORWARD, ()))
+    full.extend(units.hang.get(END, ()))
+    full = _topological(full, p.preds)
+    if len(full) != n or any(p.backward[a] and not p.backward[b] for a, b in zip(full, full[1:])):
+        raise AssertionError("order: a node out of its part")
+    peak, _, _ = p.peak_of(full, 0, p.base, searched=False)
+    if peak >= traced_peak:
+        full, peak = traced, traced_peak
+    moved = sum(1 for k, v in enumerate(full) if k != v)
+    stats = {
+        "segments": len(segments),
+        "searched": len(searched),
+        "exact": exact_count,
+        "largest": max((len(s) for s in segments), default=0),
+        "moved": moved,
+    }
+    return Ordering(p.placeholders + [p.names[i] for i in full], traced_peak, peak, stats)
+
+
+def _topological(seq: list[int], preds: list[list[int]]) -> list[int]:
+    """``seq`` with any node whose dependency comes later moved after it (a neutral node
+    hung on a reader that runs before another of its inputs): stable otherwise."""
+    placed: set[int] = set()
+    waiting: dict[int, list[int]] = {}
+    out: list[int] = []
+
+    def place(v: int) -> None:
+        missing = [u for u in preds[v] if u not in placed]
+        if missing:
+            waiting.setdefault(missing[0], []).append(v)
+            return
+        out.append(v)
+        placed.add(v)
+        for w in waiting.pop(v, ()):
+            place(w)
+
+    for v in seq:
+        place(v)
+    if len(out) != len(seq):
+        raise AssertionError("order: a dependency cycle")  # cannot happen on a DAG
+    return out
+
+
+def apply(gm: torch.fx.GraphModule, order: Sequence[str]) -> torch.fx.GraphModule:
+    """A copy of ``gm`` whose nodes run in ``order`` (every node but the output, each
+    once; an empty ``order`` keeps ``gm``'s). The copy shares ``gm``'s submodules and
+    node metadata."""
+    if not order:
+        return gm
+    with warnings.catch_warnings():
+        # NOTE: copying the graph's pytree codegen makes torch warn of its own LeafSpec
+        # check (torch 2.13); nothing of ours is deprecated
+        warnings.simplefilter("ignore", FutureWarning)
+        graph = copy.deepcopy(gm.graph)  # fx's own copy: node metadata shared, codegen kept
+    nodes = {n.name: n for n in graph.nodes}
+    if len(order) != len(nodes) - 1 or set(order) != {
+        n for n, x in nodes.items() if x.op != "output"
+    }:
+        raise ValueError("the order does not name every node of the step exactly once")
+    prev = None
+    for name in order:
+        node = nodes[name]
+        if prev is not None and prev.next is not node:
+            prev.append(node)
+        prev = node
+    graph.lint()
+    new = torch.fx.GraphModule(gm, graph)
+    new.meta.update(gm.meta)
+    return new
