@@ -93,12 +93,11 @@ def _bench(rank, world, mesh_shape, layers, hidden, seq, batch, reps):
         times["opt_local"].append(timed(opt_l.step))
     # the boundary alone: to_local of every parameter, and the backward that wraps each
     # local gradient as a DTensor gradient (what the DTensor path adds to the step)
-    slots = pm._param_slots
     grads = [torch.ones_like(leaf) for leaf in leaves]
 
     def boundary():
         pm.zero_grad()
-        locals_ = [getattr(m, a).to_local() for m, a in slots]
+        locals_ = pm.local_tensors()[: len(grads)]
         torch.autograd.backward(locals_, grads)
 
     for _ in range(3):

@@ -10,7 +10,8 @@ The boundary, as torch's own parallelism (FSDP2, ``parallelize_module``) draws i
   that mirrors the model's (so ``named_parameters()``, ``state_dict()`` and
   ``load_state_dict()`` use the model's keys, and torch's checkpoint helpers find them);
   buffers are DTensors the same way;
-- a call hands the compiled step the local tensors (``DTensor.to_local``, differentiable):
+- a call hands the compiled step the local tensors (``local_tensors``: one autograd node
+  for every parameter, differentiable):
   the step runs on local shards with the collectives the plan chose, and the gradient of
   each local shard, which the step already reduced to its parameter's placements, comes
   back as a DTensor gradient with those placements.
@@ -46,6 +47,37 @@ class PeerLostError(RuntimeError):
 
 # attributes of a ParallelModule itself; a model child of one of these names cannot be mirrored
 _OWN = ("plan", "device_mesh", "compiled", "stats", "mismatches")
+
+
+class _LocalShards(torch.autograd.Function):
+    """Every parameter's local shard through one autograd node (``DTensor.to_local`` is one
+    node per parameter; on a step of many small parameters the nodes were most of the
+    boundary's cost, benchmarks/boundary_overhead.py). Backward: each local gradient as a
+    DTensor with its parameter's placements, shape and stride."""
+
+    @staticmethod
+    def forward(ctx, mesh, *params):
+        ctx.mesh = mesh
+        ctx.metas = [(p.placements, p.shape, p.stride()) for p in params]
+        # a view, as to_local hands one: the output is a new tensor autograd can own
+        out = tuple(t.view_as(t) for t in (p.to_local() for p in params))
+        frozen = [t for t, p in zip(out, params) if not p.requires_grad]
+        if frozen:  # a frozen parameter's shard takes no gradient, as with to_local
+            ctx.mark_non_differentiable(*frozen)
+        return out
+
+    @staticmethod
+    def backward(ctx, *grads):
+        out: list = [None]
+        for g, (placements, shape, stride) in zip(grads, ctx.metas):
+            if g is None:
+                out.append(None)
+                continue
+            out.append(
+                DTensor.from_local(g, ctx.mesh, placements, run_check=False, shape=shape,
+                                   stride=stride)
+            )  # fmt: skip
+        return tuple(out)
 
 
 class ParallelModule(nn.Module):
@@ -175,12 +207,8 @@ class ParallelModule(nn.Module):
                 raise TypeError(
                     f"rank {rank}: argument {i} is {a.dtype}, the step was compiled for {dtypes[i]}"
                 )
-        # to_local is differentiable: the local gradient returns as the DTensor gradient
-        # with the parameter's placements (the step reduced it to them)
-        params = [getattr(m, a).to_local() for m, a in self._param_slots]
-        buffers = [getattr(m, a).to_local() for m, a in self._buffer_slots]
         try:
-            return self._fn(*params, *buffers, *args)
+            return self._fn(*self.local_tensors(), *args)
         except RuntimeError as e:
             if not _PEER_LOST.search(str(e)):
                 raise
@@ -189,6 +217,16 @@ class ParallelModule(nn.Module):
                 f"rank {rank}: another rank was lost during the step ({first}); its own "
                 "error is in its log (torchrun's summary names it)"
             ) from None
+
+    def local_tensors(self) -> list[torch.Tensor]:
+        """The local shard of every parameter, then of every buffer, as the compiled step
+        takes them: differentiable, each local gradient returning as its parameter's DTensor
+        gradient with the parameter's placements (the step reduced it to them)."""
+        params = [getattr(m, a) for m, a in self._param_slots]
+        buffers = [getattr(m, a).to_local() for m, a in self._buffer_slots]
+        if not torch.is_grad_enabled() or not any(p.requires_grad for p in params):
+            return [p.to_local() for p in params] + buffers
+        return [*_LocalShards.apply(params[0].device_mesh, *params), *buffers]
 
     def _local_input_shape(self, i: int) -> tuple[int, ...]:
         mesh_shape = tuple(self.device_mesh.shape)
