@@ -543,18 +543,17 @@ def _topological(seq: list[int], preds: list[list[int]]) -> list[int]:
     waiting: dict[int, list[int]] = {}
     out: list[int] = []
 
-    def place(v: int) -> None:
-        missing = [u for u in preds[v] if u not in placed]
-        if missing:
-            waiting.setdefault(missing[0], []).append(v)
-            return
-        out.append(v)
-        placed.add(v)
-        for w in waiting.pop(v, ()):
-            place(w)
-
-    for v in seq:
-        place(v)
+    for first in seq:
+        stack = [first]  # a node, then those that waited for it (no recursion)
+        while stack:
+            v = stack.pop()
+            missing = [u for u in preds[v] if u not in placed]
+            if missing:
+                waiting.setdefault(missing[0], []).append(v)
+                continue
+            out.append(v)
+            placed.add(v)
+            stack.extend(reversed(waiting.pop(v, [])))
     if len(out) != len(seq):
         raise AssertionError("order: a dependency cycle")  # cannot happen on a DAG
     return out

@@ -157,3 +157,10 @@ def test_the_emitted_step_runs_in_the_chosen_order(fake_dp):
     # is summed before the next is made; in the traced order all are made first
     assert forward_pattern(plan) == "rs" * K
     assert forward_pattern(dataclasses.replace(plan, order=())) == "r" * K + "s" * K
+
+
+def test_a_node_placed_before_its_input_waits_for_it():
+    # (a neutral node hung on a reader that runs before another of its inputs)
+    preds = [[], [0], [1], []]
+    assert order._topological([2, 3, 0, 1], preds) == [3, 0, 1, 2]
+    assert order._topological([0, 1, 2, 3], preds) == [0, 1, 2, 3]
