@@ -301,6 +301,25 @@ def run_measured(gm: torch.fx.GraphModule, step, model, inputs, targets):
     return out, seen.peak
 
 
+def measured_step_peak(pm, opt, local, step) -> int:
+    """The peak bytes of live storages while ``step()`` runs (a ``LiveStorages`` probe),
+    counting from the start what exists before it: the parameters' local shards, their
+    optimizer state in ``opt`` and the local batch ``local`` (benchmarks/memory_check.py's
+    method)."""
+    seen = LiveStorages()
+    with torch.no_grad():  # to_local is then the DTensor's own local tensor, which lives on
+        for p in pm.parameters():
+            seen.add(p.to_local())
+            for v in opt.state[p].values():
+                seen.add(v.to_local() if hasattr(v, "to_local") else v)
+    for t in local:
+        seen.add(t)
+    with seen:
+        seen.peak = seen.live()
+        step()
+    return seen.peak
+
+
 def log_stages(enabled: bool = True) -> None:
     """Send the ``autopar`` logger's stage lines to stderr, as they happen (``enabled``),
     or keep them to warnings (``--quiet``, ``--json``)."""

@@ -23,7 +23,7 @@ import warnings
 import torch
 
 from autopar.runtime import run_local
-from autopar.verify import LiveStorages
+from autopar.verify import measured_step_peak
 
 TARGET = 0.10
 MIXED = "bf16-mixed"  # float32 parameters and AdamW state, bf16 compute, float32 reduction
@@ -76,18 +76,8 @@ def _measure(rank, world, example, mesh_shape, fraction, precision):
 
     for _ in range(2):
         step()
-    seen = LiveStorages()
-    with torch.no_grad():  # to_local is then the DTensor's own local tensor, which lives on
-        for p in pm.parameters():
-            seen.add(p.to_local())
-            for v in opt.state[p].values():
-                seen.add(v.to_local() if hasattr(v, "to_local") else v)
-    for t in local:
-        seen.add(t)
-    with seen:
-        seen.peak = seen.live()
-        step()
-    return seen.peak, pm.plan.memory["step"], len(pm.plan.recompute)
+    peak = measured_step_peak(pm, opt, local, step)
+    return peak, pm.plan.memory["step"], len(pm.plan.recompute)
 
 
 def main(argv=None) -> int:

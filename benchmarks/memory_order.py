@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from autopar.runtime import run_local
-from autopar.verify import LiveStorages
+from autopar.verify import measured_step_peak
 
 K, D, WIDE = 8, 64, 64
 SLACK = 1.01
@@ -121,18 +121,7 @@ def _measure(rank, world, example, mesh_shape, plan_texts):
     for pm, local, opt in runs:
         for _ in range(2):
             step(pm, local, opt)
-        seen = LiveStorages()
-        with torch.no_grad():
-            for p in pm.parameters():
-                seen.add(p.to_local())
-                for v in opt.state[p].values():
-                    seen.add(v.to_local() if hasattr(v, "to_local") else v)
-        for t in local:
-            seen.add(t)
-        with seen:
-            seen.peak = seen.live()
-            step(pm, local, opt)
-        peaks.append(seen.peak)
+        peaks.append(measured_step_peak(pm, opt, local, lambda r=(pm, local, opt): step(*r)))
     times: list[list[float]] = [[], []]
     for _ in range(5):
         for k, run in enumerate(runs):
