@@ -90,6 +90,7 @@ __all__ = [
     "liveness",
     "local_bytes",
     "measure",
+    "plan_placements",
     "simulate",
 ]
 
@@ -494,9 +495,9 @@ def measure(
     )
 
 
-def simulate(space: StrategySpace, plan: Plan, optimizer: str = "adamw") -> MemoryReport:
-    """The per-rank memory of ``plan``'s step, in the order it runs (``plan.order``, else
-    the traced one; see the module docstring)."""
+def plan_placements(plan: Plan) -> tuple[OutPlacement, InPlacement]:
+    """``plan``'s placements as ``measure`` reads them: of each node's outputs, and of the
+    inputs each node runs with (their texts parsed once)."""
     cache: dict = {}
 
     def parsed(text):
@@ -516,6 +517,13 @@ def simulate(space: StrategySpace, plan: Plan, optimizer: str = "adamw") -> Memo
             return None
         return parsed(choice.ins[j])
 
+    return out_ps, in_ps
+
+
+def simulate(space: StrategySpace, plan: Plan, optimizer: str = "adamw") -> MemoryReport:
+    """The per-rank memory of ``plan``'s step, in the order it runs (``plan.order``, else
+    the traced one; see the module docstring)."""
+    out_ps, in_ps = plan_placements(plan)
     if plan.order:  # the order passes/order chose (placeholders first, as traced)
         space = replace(space, order=list(plan.order))
     lv = liveness(space, plan.recompute)

@@ -32,7 +32,9 @@ byte: they are left out of the search, and each runs just before the first node 
 it. A node that reads only what lives through the whole step (a parameter's mixed-precision
 cast, a weight times the input) frees nothing when it runs, so running it later never
 raises a point between: it joins the unit of the first node that reads it and runs just
-before it. The search orders the remaining nodes with those they bring: the units.
+before it. The search orders the remaining nodes with those they bring: the units. A node
+stays in its part (forward or backward): one whose first reader is in the other part, or
+that nothing reads, is a unit of its own (a view: runs at the end of its part).
 
 Decomposition (ROAM's key points). The forward runs before the backward (aot_autograd's
 partition runs them so). Within each, a unit that every other unit either precedes or
@@ -66,9 +68,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from autopar.core import Plan, StrategySpace, parse_placements, roles
+from autopar.core import Plan, StrategySpace, roles
 
-from .memory import local_bytes
+from .memory import local_bytes, plan_placements
 from .remat import storage_map
 
 __all__ = ["Ordering", "apply", "order_step"]
@@ -131,20 +133,8 @@ class _Problem:
         self.names = order
         self.backward = [space.roles[name] == roles.BACKWARD for name in order]
         pos = {n: i for i, n in enumerate(order)}
-        self.pos = pos
         n = len(order)
-        cache: dict = {}
-
-        def parsed(text):
-            if text not in cache:
-                cache[text] = parse_placements(text)
-            return cache[text]
-
-        def out_ps(name, idx):
-            c = plan.nodes.get(name)
-            if c is None or idx >= len(c.out) or c.out[idx] is None:
-                return None
-            return parsed(c.out[idx])
+        out_ps, in_ps = plan_placements(plan)
 
         # dependencies from the fx graph (every input node, tensor or not)
         fx_nodes = {x.name: x for x in gm.graph.nodes}
@@ -186,12 +176,11 @@ class _Problem:
         self.transient = [0] * n
         for name in order:
             i = pos[name]
-            choice = plan.nodes.get(name)
             for j, (src, so) in enumerate(space.in_sources[name]):
                 read = storage_of.get((src, so))
                 if read is not None:
                     readers[read].add(i)
-                q = parsed(choice.ins[j]) if choice is not None and j < len(choice.ins) else None
+                q = in_ps(name, j)
                 p = out_ps(src, so)
                 if q is not None and p is not None and tuple(p) != tuple(q):
                     shape, dtype = space.tensor(src, so)
