@@ -19,7 +19,8 @@ the expert plan with the cost model that costs autopar's own, so the two compare
       ``dp`` (torchtitan's FSDP + TP), each along the dim that ``tp`` leaves whole (a
       column-parallel bias, whose one dim ``tp`` splits, replicated over ``dp``). That
       layout needs reshards the solver's simplifications leave out, so it is solved as
-      the exact ILP (passes/solve, "Constraints").
+      the exact ILP (passes/solve, "Constraints"); with ``sequence_parallel=True``,
+      Megatron's sequence parallelism (the norms' outputs split along the sequence).
 
 Which linear opens and which closes a block is read from the module's name (``column`` and
 ``row``: ``fnmatch`` patterns over the last name of the module path, defaults for the usual
@@ -102,11 +103,17 @@ def megatron(
     tp: str = "tp",
     dp: str | None = None,
     fsdp: bool = False,
+    sequence_parallel: bool = False,
     column=COLUMN,
     row=ROW,
 ) -> dict[str, str]:
     """Megatron-LM tensor parallelism over ``tp`` (module docstring); with ``dp``, data
-    parallelism over that axis too, and with ``fsdp`` the parameters sharded over it."""
+    parallelism over that axis too, and with ``fsdp`` the parameters sharded over it. With
+    ``sequence_parallel``, Megatron's sequence parallelism: the output of every norm (a
+    module whose class name ends in ``Norm``: LayerNorm, RMSNorm, ``LlamaRMSNorm``) split
+    along the sequence (dim 1 of [batch, sequence, hidden]) over ``tp``, so that the
+    regions between blocks run on a share of the tokens; the solver then all-gathers each
+    block's input and reduce-scatters its output."""
     if fsdp and not dp:
         raise ValueError("megatron(fsdp=True) shards the parameters over dp: name the dp axis")
     _axes(mesh, [tp] + ([dp] if dp else []))
@@ -139,9 +146,16 @@ def megatron(
             f"{COLUMN[:4]}..., {ROW[:4]}...)"
         )
     # what no rule names (norms, the biases of row-parallel layers): replicated over tp
-    params = {name for name, _ in model.named_parameters()}
+    # every name of a tied weight (GPT-2's head is its token embedding): the catch-all below
+    # would otherwise place the second name apart from the first, which no plan can hold
+    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     constraints = {k: v for k, v in out.items() if k in params}
     constraints["*"] = place("R", "S(0)")
+    if sequence_parallel:
+        rows = _text(mesh, {tp: "S(1)", **({dp: "S(0)"} if dp else {})})
+        for path, module in model.named_modules():
+            if path and type(module).__name__.endswith("Norm"):
+                constraints[f"output:{path}"] = rows
     if dp:
         constraints.update(_batch(mesh, [dp]))
         constraints[f"reshard:{dp}"] = "params" if fsdp else "none"

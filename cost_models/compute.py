@@ -94,10 +94,23 @@ def attention_flops(q_shape, k_shape, v_shape, is_causal: bool, *, backward: boo
     Forward: 2 B H S T (D + E) (scores Q K^T, then P V). Backward: 2 B H S T (3 D + 2 E): the
     kernel recomputes the scores, then dV = P^T dO, dP = dO V^T, dQ = dS K, dK = dS^T Q.
     With ``is_causal`` only the unmasked pairs count (the kernels skip masked blocks): row i
-    of S sees min(T, i + 1) keys (top-left aligned, as torch's causal mask)."""
+    of S sees min(T, i + 1) keys (top-left aligned, as torch's causal mask) when S = T. When
+    S < T the rows are one rank's share of a sequence split over ranks (passes/rules,
+    ``sequence``), load-balanced when S is even: every rank computes S (T + 1) / 2 pairs, the
+    average. An odd S is not balanced, and counts the last rank's share, rows T - S + i seeing
+    T - S + i + 1 keys: the slowest rank, which the step waits for."""
     b, h, s, d = q_shape
     t, e = k_shape[2], v_shape[3]
-    pairs = sum(min(t, i + 1) for i in range(s)) if is_causal else s * t
+    if not is_causal:
+        pairs = s * t
+    elif s == t:
+        pairs = s * (s + 1) // 2
+    elif s < t and s % 2 == 0:
+        pairs = s * (t + 1) // 2
+    elif s < t:
+        pairs = s * (t - s) + s * (s + 1) // 2
+    else:
+        pairs = sum(min(t, i + 1) for i in range(s))
     per_pair = 2 * (3 * d + 2 * e) if backward else 2 * (d + e)
     return float(b * h * pairs * per_pair)
 

@@ -19,7 +19,15 @@ plan's order, passes/order), and
        ``s.out``; a mismatch is redistributed and counted (``mismatches``);
     3. ops without a rule, ops without tensor inputs, and ops whose strategy replicates every
        input and output run as they are, on whole tensors; ``new_zeros`` and its kind (a
-       tensor of a given size) are made at their planned local size.
+       tensor of a given size) are made at their planned local size;
+    4. attention with its query rows split (the ``sequence`` entry of passes/rules) runs as
+       ``autopar::sdpa_rows`` (and its backward) with this rank's first row, its offset in the
+       sequence (``core.local_offset`` at the rank's mesh coordinate; ``_rows_attention``):
+       DTensor's dispatch would run the plain kernel, which aligns a causal mask to the local
+       rows. Causal rows are load-balanced between partner ranks (passes/rules; ``_Pair``),
+       the halves exchanged by functional ``all_to_all_single`` over the rows' axis.
+       NOTE: ``torch.distributed._functional_collectives`` is the traceable collectives API
+       DTensor itself emits; no public module offers it (tests/unit/test_torch_internals.py).
 
 At the graph outputs the loss is redistributed to Replicate, each gradient to its
 parameter's placement. Nothing is done when the plan replicates everything (the local graph
@@ -40,6 +48,7 @@ import operator
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed._functional_collectives as funcol
 import torch.fx.traceback as fx_traceback
 
 # NOTE: torch.compile's aot_eager compiler: no public function compiles an fx graph to its
@@ -57,12 +66,14 @@ from autopar.core import (
     CompiledStep,
     Plan,
     contiguous_stride,
+    local_offset,
     local_shape,
+    ops,
     parse_placements,
     roles,
 )
 
-from . import order, remat
+from . import order, remat, rules
 from .trace import StepGraph
 
 __all__ = [
@@ -94,6 +105,9 @@ class LocalStep:
 _aten = torch.ops.aten
 # factories that take their dtype and device from a tensor and their size from an argument
 _NEW_FACTORIES = {_aten.new_zeros, _aten.new_ones, _aten.new_empty, _aten.new_full}
+_SDPA = torch.ops.autopar.sdpa.default
+# attention ops -> the position of q among their tensor inputs
+_ROWS_ATTENTION = {_SDPA: 0, torch.ops.autopar.sdpa_backward.default: 1}
 
 
 def _spec(dmesh, placements, val) -> DTensorSpec:
@@ -102,6 +116,56 @@ def _spec(dmesh, placements, val) -> DTensorSpec:
         tuple(placements),
         tensor_meta=TensorMeta(val.shape, contiguous_stride(val.shape), val.dtype),
     )
+
+
+class _Pair:
+    """Load-balanced causal rows (passes/rules): this rank keeps the first half of its run
+    of ``rows`` and computes its partner's second half, exchanged with one all_to_all each
+    way (``swap``); the middle rank of an odd axis is its own partner."""
+
+    def __init__(self, me: int, ranks: int, group, offset: int, rows: int):
+        self.me, self.partner, self.ranks, self.group = me, ranks - 1 - me, ranks, group
+        self.half = rows // 2
+        self.offset = offset
+        # the partner's run starts (partner - me) runs away; its second half, half further
+        self.theirs = offset + (self.partner - me) * rows + self.half
+
+    def swap(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` to the partner; the partner's ``t`` back."""
+        flat = t.contiguous().view(-1)
+        splits = [flat.numel() if r == self.partner else 0 for r in range(self.ranks)]
+        got = funcol.all_to_all_single(flat, splits, splits, self.group)
+        return funcol.wait_tensor(got).view(t.shape)
+
+    def _split(self, t):
+        return t[:, :, : self.half], t[:, :, self.half :]
+
+    def forward(self, q, k, v, mask, is_causal, scale):
+        rows = torch.ops.autopar.sdpa_rows
+        if self.partner == self.me:
+            return rows(q, k, v, mask, is_causal, scale, self.offset)
+        qa, qb = self._split(q)
+        q_theirs = self.swap(qb)
+        out_a, lse_a = rows(qa, k, v, mask, is_causal, scale, self.offset)
+        out_t, lse_t = rows(q_theirs, k, v, mask, is_causal, scale, self.theirs)
+        out = torch.cat([out_a, self.swap(out_t)], dim=2)
+        return out, torch.cat([lse_a, self.swap(lse_t)], dim=2)
+
+    def backward(self, grad_out, q, k, v, out, lse, mask, is_causal, scale):
+        rows = torch.ops.autopar.sdpa_rows_backward
+        if self.partner == self.me:
+            return rows(grad_out, q, k, v, out, lse, mask, is_causal, scale, self.offset)
+        (go_a, go_b), (q_a, q_b), (o_a, o_b) = map(self._split, (grad_out, q, out))
+        (lse_a, lse_b) = self._split(lse)
+        e, d = grad_out.shape[-1], q.shape[-1]
+        packed = self.swap(torch.cat([go_b, q_b, o_b], dim=-1))
+        go_t, q_t, o_t = torch.split(packed, [e, d, e], dim=-1)
+        lse_t = self.swap(lse_b)
+        off, theirs = self.offset, self.theirs
+        dq_a, dk_a, dv_a = rows(go_a, q_a, k, v, o_a, lse_a, mask, is_causal, scale, off)
+        dq_t, dk_t, dv_t = rows(go_t, q_t, k, v, o_t, lse_t, mask, is_causal, scale, theirs)
+        dq = torch.cat([dq_a, self.swap(dq_t)], dim=2)
+        return dq, dk_a + dk_t, dv_a + dv_t
 
 
 class _Localizer(torch.fx.Interpreter):
@@ -124,9 +188,13 @@ class _Localizer(torch.fx.Interpreter):
     def _redistribute(self, t, src_ps, dst_ps, val):
         if src_ps == dst_ps or not isinstance(t, torch.Tensor):
             return t
-        return redistribute_local_tensor(
+        out = redistribute_local_tensor(
             t.contiguous(), _spec(self.dmesh, src_ps, val), _spec(self.dmesh, dst_ps, val)
         )
+        # a collective writes a contiguous tensor; the graph's views may need the layout the
+        # value has in the global graph (a transposed key gradient, viewed back to the
+        # projection's [B, S, K * D])
+        return ops.in_layout_of(out, val)
 
     def run_node(self, n):
         self._node = n
@@ -175,7 +243,28 @@ class _Localizer(torch.fx.Interpreter):
             # placement of the tensor it takes its dtype and device from
             size = local_shape(tuple(node.meta["val"].shape), out_ps[0], self.dmesh.shape)
             return target(args[0], list(size), *args[2:], **kwargs)
+        if target in _ROWS_ATTENTION and rules.sequence_axes(dst_all[_ROWS_ATTENTION[target]][0]):
+            return self._rows_attention(target, args, dst_all[_ROWS_ATTENTION[target]])
         return self._run_op(node, target, args, kwargs, in_nodes, dst_all, out_ps)
+
+    def _rows_attention(self, target, args, q_placed):
+        """A sequence-sharded attention node on this rank's rows (module docstring, 4)."""
+        ps, q_val = q_placed
+        coordinate = self.dmesh.get_coordinate()
+        offset = local_offset(tuple(q_val.shape), ps, self.dmesh.shape, coordinate)[2]
+        forward = target == _SDPA
+        (axis,) = rules.sequence_axes(ps)
+        ranks = self.dmesh.shape[axis]
+        rows = local_shape(tuple(q_val.shape), ps, self.dmesh.shape)[2]
+        if rules.balanced(bool(args[4] if forward else args[7]), rows, ranks):
+            pair = _Pair(coordinate[axis], ranks, self.dmesh.get_group(axis), offset, rows)
+            outs = pair.forward(*args) if forward else pair.backward(*args)
+        elif forward:
+            outs = torch.ops.autopar.sdpa_rows(*args, offset)
+        else:
+            outs = torch.ops.autopar.sdpa_rows_backward(*args, offset)
+        # each output in the memory layout the global graph's views expect of it
+        return tuple(ops.in_layout_of(t, v) for t, v in zip(outs, self._node.meta["val"]))
 
     def _run_op(self, node, target, args, kwargs, in_nodes, dst_all, out_ps):
         it = iter(dst_all)

@@ -4,13 +4,26 @@ Takes: a ``StrategySpace`` and the user's constraints, ``(pattern, placements te
 (``autopar.plan(..., constraints=...)``; the text is one placement per mesh axis, ``"R,S(0)"``):
     - a pattern is an ``fnmatch`` pattern over parameter names (``layers.*.attention.wq.weight``,
       ``*.bias``) or ``input:N``, the N-th placeholder of the step's batch (the user inputs,
-      then the targets; ``input:*`` all of them); every pattern must match something;
+      then the targets; ``input:*`` all of them), or ``attention:*``, every fused attention
+      node (``autopar::sdpa`` and its backward; the text is the placement of its output, or
+      of dq: ``"S(2)"`` splits the query rows over an axis, context parallelism,
+      ``"S(1)"`` the heads, ``"S(0)"`` the batch); every pattern must match something;
     - a name matched by several patterns takes the first's placement.
     - ``reshard:AXIS`` with ``none`` or ``params``: no collective on that mesh axis between
       two operators, or only where a parameter is used (its edges and those of the views and
       casts of it: an FSDP all-gather). Gradient reductions at the step's outputs stay
       free. Data parallelism as people write it is this: the batch stays sharded from the
       input to the loss, and the axis carries the gradients' reductions alone.
+    - ``output:PATTERN``, an ``fnmatch`` pattern over module paths (``*.input_layernorm``):
+      the output of each matching module, the last forward op traced inside it whose first
+      output is a tensor (``module_outputs``): Megatron's sequence parallelism pins the
+      norms' outputs along the sequence (``experts.megatron(sequence_parallel=True)``);
+    - ``sequence`` with ``none``: no tensor is split along a sequence dim, a dim as long as
+      the step's sequence (dim 1 of its first input, the tokens): no context parallelism,
+      no Megatron or Ulysses sequence parallelism, which leaves data and tensor parallelism
+      (and the sharding of parameters). The strategies that split such a dim, of an output
+      or an input, are dropped from the space (``drop_sequence_splits``; a dim of another
+      tensor that happens to be as long is held whole too).
 Returns: ``Pin``s, each a node with the placements its first output must take (and, for a
 whole plan, its inputs'); passes/solve turns each into one constraint, ``sum x[v,k] = 1``
 over the strategies that agree (``pin_node``); and the frozen axes, ``{axis: allowed
@@ -25,11 +38,26 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import operator
 from dataclasses import dataclass
 
-from autopar.core import StrategySpace
+import torch
 
-__all__ = ["Pin", "check_folding", "parameter_uses", "resolve"]
+from autopar.core import (
+    StrategySpace,
+    ops,  # noqa: F401 - defines torch.ops.autopar
+)
+
+ATTENTION_OPS = (torch.ops.autopar.sdpa.default, torch.ops.autopar.sdpa_backward.default)
+
+__all__ = [
+    "Pin",
+    "check_folding",
+    "drop_sequence_splits",
+    "module_outputs",
+    "parameter_uses",
+    "resolve",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +88,11 @@ def resolve(space: StrategySpace, constraints) -> tuple[list[Pin], dict[int, fro
             sources = parameter_uses(space) if text == "params" else frozenset()
             frozen[space.mesh.axis_names.index(axis)] = sources
             continue
+        if pattern == "sequence":
+            if text != "none":
+                raise ValueError(f"constraint 'sequence': 'none', got {text!r}")
+            drop_sequence_splits(space)
+            continue
         if len(text.split(",")) != ndim:
             raise ValueError(
                 f"constraint {pattern!r}: {text!r} gives {len(text.split(','))} placements "
@@ -77,6 +110,25 @@ def resolve(space: StrategySpace, constraints) -> tuple[list[Pin], dict[int, fro
                         "and targets"
                     )
                 matched = [(pattern, space.inputs[index])]
+        elif pattern.startswith("output:"):
+            paths = pattern.split(":", 1)[1]
+            matched = [
+                (f"{path} output ({name})", name)
+                for path, name in module_outputs(space).items()
+                if fnmatch.fnmatchcase(path, paths)
+            ]
+            if not matched:
+                raise ValueError(f"constraint {pattern!r} matches no module path")
+        elif pattern.startswith("attention:"):
+            if pattern != "attention:*":
+                raise ValueError(f"constraint {pattern!r}: 'attention:*' pins every attention")
+            matched = [
+                (f"{name} ({space.targets[name]})", name)
+                for name in space.order
+                if space.targets.get(name) in ATTENTION_OPS
+            ]
+            if not matched:
+                raise ValueError(f"constraint {pattern!r}: the step has no fused attention")
         else:
             matched = [
                 (name, node)
@@ -91,6 +143,53 @@ def resolve(space: StrategySpace, constraints) -> tuple[list[Pin], dict[int, fro
         for name, node in matched:
             pins.setdefault(node, Pin(node, text, why=f"{name} ({pattern})"))
     return list(pins.values()), frozen
+
+
+def module_outputs(space: StrategySpace) -> dict[str, str]:
+    """``{module path: its output node}``: the last forward op traced inside each module
+    (its own ops, not a child's) whose first output is a tensor; an op, not the pick of one
+    of its outputs (a layer norm's, not the getitem of its normalized tensor)."""
+    out: dict[str, str] = {}
+    for name in space.order:
+        path = space.modules.get(name, "")
+        if not path or space.roles.get(name) != "forward":
+            continue
+        shapes = space.shapes.get(name, ())
+        if shapes and shapes[0] is not None and space.targets.get(name) is not operator.getitem:
+            out[path] = name
+    return out
+
+
+def drop_sequence_splits(space: StrategySpace) -> None:
+    """Drop every strategy that splits a dim as long as the sequence (module docstring)."""
+    if not space.inputs:
+        raise ValueError("constraint 'sequence': the step has no inputs")
+    shape = space.tensor(space.inputs[0])[0]
+    if len(shape) < 2:
+        raise ValueError(
+            f"constraint 'sequence': the first input is {list(shape)}, not [batch, sequence, ...]"
+        )
+    seq = shape[1]
+
+    def splits(ps, sd) -> bool:
+        return (
+            ps is not None
+            and sd is not None
+            and any(getattr(p, "dim", None) is not None and sd[0][p.dim] == seq for p in ps)
+        )
+
+    for name in list(space.strategies):
+        outs = space.shapes.get(name, ())
+        ins = [space.tensor(src, so) for src, so in space.in_sources.get(name, ())]
+        kept = [
+            s
+            for s in space.strategies[name]
+            if not any(splits(ps, sd) for ps, sd in zip(s.out, outs))
+            and not any(splits(ps, sd) for ps, sd in zip(s.ins, ins))
+        ]
+        if not kept:
+            raise ValueError(f"constraint 'sequence': node {name} has no strategy left")
+        space.strategies[name] = kept
 
 
 def parameter_uses(space: StrategySpace) -> frozenset[str]:

@@ -17,8 +17,31 @@ out [B, H, S, E], lse [B, H, S], mask broadcastable to [B, H, S, T]:
                  h reads key/value head h // (H / K) on the same rank); the mask Shard(1)
                  where it has the heads, else Replicate
 
+    sequence     q, out, lse, grad_out: Shard(2) (each rank a run of query rows); k, v
+                 Replicate (every key, all-gathered over the axis: context parallelism as
+                 Llama 3 trains it); the mask Shard(2) where it has the query rows, else
+                 Replicate; backward: dq Shard(2), dk and dv Partial(sum) (each rank's rows'
+                 share of every key's gradient, reduce-scattered or all-reduced by the plan)
+
 A split that does not divide (K heads over more ranks than K) is dropped by the planner's
 divisibility check (``core.placements.divides``).
+
+The sequence split needs each rank to know which rows it holds: a causal row o + i sees keys
+up to o + i, which the kernel cannot tell from the local tensors. passes/codegen runs a
+sequence-sharded attention node as ``autopar::sdpa_rows`` / ``sdpa_rows_backward``
+(core/ops.py) with the rank's row offset (``sequence_axes`` says where the rule split the rows).
+The rows are split over one mesh axis at most (``split_once`` drops the rest).
+
+Causal rows are load-balanced: with the rows split in n runs of S over the axis, run c's last
+rows see more keys than run c - 1's. Rank c keeps the first half of its run and computes the
+second half of its partner's, rank n - 1 - c (and the partner the other two halves), so each
+rank computes rows whose key counts add up to S (T + 1) / 2, the average, whatever c (the
+middle rank of an odd axis pairs with itself). The halves travel there and back in three
+pairwise exchanges per node (``balance_exchanges``, ``all_to_all`` over the axis):
+    forward   q's second half there; out's and lse's back
+    backward  grad_out's, q's and out's second halves there (one buffer), lse's; dq's back
+(dk and dv stay where they are computed: they are summed over the axis anyway). An odd run
+length S is not split (not balanced: priced at the last rank's share, cost_models/compute).
 
 Mixture-of-experts grouped matmuls (``transformers::grouped_mm_fallback`` and its backward,
 the expert layers of Hugging Face MoE models off CUDA), input [S, I] sorted by expert, weight
@@ -52,9 +75,12 @@ from torch._decomp import decomposition_table
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.experimental import register_sharding
 
-from autopar.core import ops  # noqa: F401 - defines torch.ops.autopar
+from autopar.core import Collective, ops
 
 __all__ = [
+    "ATTENTION_Q",
+    "balance_exchanges",
+    "balanced",
     "decompositions_without_rules",
     "grouped_mm_backward_rule",
     "grouped_mm_rule",
@@ -62,6 +88,8 @@ __all__ = [
     "register_library_rules",
     "sdpa_backward_rule",
     "sdpa_rule",
+    "sequence_axes",
+    "split_once",
 ]
 
 _SDPA = torch.ops.autopar.sdpa.default
@@ -87,7 +115,7 @@ def _shape(spec) -> tuple[int, ...]:
 @register_sharding(_SDPA)
 def sdpa_rule(q, k, v, mask, is_causal, scale):
     """Acceptable placements of ``autopar::sdpa`` on one mesh axis (module docstring)."""
-    b, h = _shape(q)[:2]
+    b, h, s = _shape(q)[:3]
     out: list[tuple[list, list]] = [
         ([Replicate(), Replicate()], [Replicate()] * 3 + [_rep(mask), None, None])
     ]
@@ -98,13 +126,15 @@ def sdpa_rule(q, k, v, mask, is_causal, scale):
                 [Shard(dim)] * 3 + [_mask_placement(mask, dim, full), None, None],
             )
         )
+    rows = [Shard(2), Replicate(), Replicate(), _mask_placement(mask, 2, s), None, None]
+    out.append(([Shard(2), Shard(2)], rows))
     return out
 
 
 @register_sharding(_SDPA_BACKWARD)
 def sdpa_backward_rule(grad_out, q, k, v, out, lse, mask, is_causal, scale):
     """Acceptable placements of ``autopar::sdpa_backward`` on one mesh axis."""
-    b, h = _shape(q)[:2]
+    b, h, s = _shape(q)[:3]
     rules: list[tuple[list, list]] = [
         ([Replicate()] * 3, [Replicate()] * 6 + [_rep(mask), None, None])
     ]
@@ -115,7 +145,53 @@ def sdpa_backward_rule(grad_out, q, k, v, out, lse, mask, is_causal, scale):
                 [Shard(dim)] * 6 + [_mask_placement(mask, dim, full), None, None],
             )
         )
+    seq, r = Shard(2), Replicate()
+    rows = [seq, seq, r, r, seq, seq, _mask_placement(mask, 2, s), None, None]
+    rules.append(([seq, Partial(), Partial()], rows))
     return rules
+
+
+ATTENTION_Q: dict[object, int] = {_SDPA: 0, _SDPA_BACKWARD: 1}
+"""The attention ops, each with the position of q among its tensor inputs."""
+
+
+def split_once(target, ins) -> bool:
+    """Not an attention strategy that splits the query rows over two mesh axes or more."""
+    at = ATTENTION_Q.get(target)
+    return at is None or len(sequence_axes(ins[at])) <= 1
+
+
+def balanced(is_causal: bool, rows: int, ranks: int) -> bool:
+    """Causal rows split over an axis of ``ranks`` in runs of ``rows``: load-balanced
+    (module docstring)."""
+    return is_causal and ranks > 1 and rows % 2 == 0
+
+
+def balance_exchanges(
+    target, is_causal: bool, q_shape, v_dim: int, dtype: torch.dtype, axis: int, ranks: int
+) -> list[Collective]:
+    """The pairwise exchanges a load-balanced rows-split attention node runs (module
+    docstring), one per tensor it swaps, ``q_shape`` the local q. Each is priced as an
+    ``all_to_all`` whose bandwidth term is the half's bytes over the link (``nbytes`` scaled
+    by n / (n - 1)); its latency term counts n - 1 hops for the one it takes."""
+    b, h, s, d = q_shape
+    if not balanced(is_causal, s, ranks):
+        return []
+    half = b * h * (s // 2)
+    lse = half * ops.lse_dtype(dtype).itemsize
+    size = dtype.itemsize
+    if target == _SDPA:  # q there; out and lse back
+        swaps = [half * d * size, half * v_dim * size, lse]
+    else:  # grad_out, q and out there (one buffer), lse there; dq back
+        swaps = [half * (d + 2 * v_dim) * size, lse, half * d * size]
+    scale = ranks / (ranks - 1)
+    return [Collective("all_to_all", axis, int(n * scale), ranks) for n in swaps]
+
+
+def sequence_axes(q_placements) -> tuple[int, ...]:
+    """The mesh axes on which an attention node's query rows are split (the ``sequence``
+    entry of ``sdpa_rule``): where q is ``Shard(2)``."""
+    return tuple(i for i, p in enumerate(q_placements) if p == Shard(2))
 
 
 def _rep(mask):

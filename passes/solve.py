@@ -38,7 +38,9 @@ The ILP (Alpa's intra-operator formulation):
 
 ``C[v,k]`` is the roofline time of node v's op on the local shapes of strategy k (for a
 batch input: the time to read its local part, bytes / memory bandwidth)
-(``cost_models.compute.compute_time``, in ``_node_costs``); ``R(p, q)`` the alpha-beta time
+(``cost_models.compute.compute_time``, in ``_node_costs``), plus the collectives the op runs
+inside itself (a load-balanced, rows-split attention's exchanges: passes/rules,
+``balance_exchanges``; ``_inner_collectives``); ``R(p, q)`` the alpha-beta time
 of the collectives that redistribute the tensor from p to q
 (``cost_models.comm.redistribute_time``, in ``_edge_cost``). Graph outputs are edges into
 fixed or tied placements (``Sink``, ``output_terms``): the loss into Replicate on every
@@ -179,6 +181,7 @@ from autopar.core import (
     Collective,
     Recompute,
     Solution,
+    Strategy,
     StrategySpace,
     TensorInput,
     local_shape,
@@ -194,7 +197,7 @@ from autopar.cost_models import (
     redistribute_time,
 )
 
-from . import remat
+from . import remat, rules
 from .memory import Liveness, MemoryReport, liveness, local_bytes, measure, optimizer_bytes
 from .pins import Pin, check_folding
 
@@ -269,9 +272,33 @@ def _node_costs(space: StrategySpace, name: str, profile: DeviceProfile) -> list
             c = compute_time(profile, target, largs, lkwargs, out, dtype)
         except Exception:  # noqa: BLE001 - a formula that cannot price it: price by bytes
             c = compute_time(profile, torch.ops.aten.add.Tensor, (), {}, out if out else (), dtype)
+        inner = _inner_collectives(space, name, s)
+        if inner:
+            c += collectives_time(inner, space.mesh, profile)
         cache[key] = c
         costs.append(c)
     return costs
+
+
+def _inner_collectives(space: StrategySpace, name: str, s: Strategy) -> list[Collective]:
+    """The collectives node ``name`` runs inside its op under strategy ``s``: a causal
+    attention whose query rows are split, load-balanced over their axis (passes/rules)."""
+    target = space.targets[name]
+    at = rules.ATTENTION_Q.get(target)
+    if at is None:
+        return []
+    axes = rules.sequence_axes(s.ins[at])
+    if not axes:
+        return []
+    args, _ = space.calls[name]
+    q_shape, dtype = space.tensor(*space.in_sources[name][at])
+    v_shape, _ = space.tensor(*space.in_sources[name][at + 2])
+    is_causal = args[4] if at == 0 else args[7]
+    ranks = space.mesh.shape[axes[0]]
+    local_q = local_shape(q_shape, s.ins[at], space.mesh.shape)
+    return rules.balance_exchanges(
+        target, bool(is_causal), local_q, v_shape[-1], dtype, axes[0], ranks
+    )
 
 
 @contextlib.contextmanager
@@ -909,6 +936,10 @@ def read_solution(ilp: IlpBuilder, status: int, stats: dict, time_limit_s: float
             for label in t.labels:
                 for coll in colls:
                     collectives.append((label, coll, collectives_time([coll], mesh, profile)))
+    for n, k in sorted(choice.items()):
+        # an instance of a fold group runs what its representative's call runs
+        for coll in _inner_collectives(ilp.space, rep(n), ilp.space.strategies[n][k]):
+            collectives.append((f"{n}->{n}", coll, collectives_time([coll], mesh, profile)))
     chosen = ilp.recomputed()
     recompute: list[Recompute] = []
     recompute_s = 0.0

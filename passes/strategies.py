@@ -23,6 +23,8 @@ Where the strategies come from, per node kind:
         ``_StridedShard`` is kept only on the views and batched matmuls of ``STRIDED_OPS``
         (it is what lets attention keep heads sharded through [B, h, S, D] -> [B*h, S, D]);
         offered everywhere it multiplies the strategy space several times over.
+    attention (passes/rules): its query rows split over one mesh axis at most
+        (``rules.split_once``).
     operator with no tensor input (``arange``, ``full``, ...): replicated.
     every operator: also all-Replicate where its rule does not offer it (the op as on one
         device), so that the all-replicated plan is always feasible: the ILP never lacks a
@@ -390,6 +392,7 @@ class _SpaceBuilder:
             strats = [_replicated(node, 0, self.mesh)]
         else:
             strats = self._rule_strategies(node, key, in_nodes)
+            strats = [s for s in strats if rules.split_once(node.target, s.ins)]
         sp.strategies[name] = self.done[key] = strats
 
     def _call_template(self, node: torch.fx.Node) -> list[torch.fx.Node]:

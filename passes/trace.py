@@ -36,6 +36,18 @@ stay torch's (and say why in a warning): dropout in attention, a mask that needs
 (T5's learned position bias), a grouped-query call without ``enable_gqa``; torch then
 traces them as its math attention (matmuls, softmax), which is planned op by op.
 
+Masks as the eager step makes them (``_masks_as_eager``): a Hugging Face model with no padding
+mask calls SDPA with ``is_causal=True`` (or no mask at all, bidirectionally) when it runs, but
+builds the whole [B, 1, S, T] mask when it sees ``torch.export`` (whose exported program might
+later be called at other lengths; a training step is traced for its shapes). That mask is
+S x T elements live through the step (64 GiB in float32 at 128k tokens) and hides the causal
+structure the attention kernels and the sequence split (passes/rules) use, so the library is
+told it is not exporting while the step is traced: it then skips the mask exactly where its
+eager run does (no padding mask given, no sliding window reached); a padding mask is still
+read as a traced tensor, which the library never skips on. Position ids the model counts
+itself (``arange``) are not packed sequences, as its eager run finds; position ids among the
+step's inputs may be, and keep the library's packed-sequence mask.
+
 Ops without a sharding rule that torch can decompose are decomposed while the joint graph is
 built (``rules.decompositions_without_rules``: ``mse_loss``, ``floor_divide``, ...), so the
 graph holds ops the planner can shard.
@@ -110,6 +122,7 @@ class _Step(nn.Module):
         self.n_inputs = n_inputs
 
     def forward(self, *args):
+        self.inputs = args  # what the trace is called with (_masks_as_eager)
         out = self.model(*args[: self.n_inputs])
         if self.loss_fn is None:
             return out
@@ -283,6 +296,38 @@ def _without_partial_graph():
     sys.stderr.write(held.getvalue())
 
 
+@contextlib.contextmanager
+def _masks_as_eager(step: _Step):
+    """Let Hugging Face's mask builders skip the masks its eager run skips (module docstring).
+
+    NOTE: ``transformers.masking_utils`` asks ``is_torchdynamo_exporting`` before skipping a
+    causal or bidirectional mask for SDPA, and ``find_packed_sequence_indices`` returns a
+    packed-sequence index whenever it cannot read the position ids (a traced tensor); no
+    argument or setting changes either. Both module-level names are swapped for the trace's
+    duration. tests/unit/test_attention.py fails if they move (the mask would come back).
+    """
+    masking = sys.modules.get("transformers.masking_utils")
+    names = ("is_torchdynamo_exporting", "find_packed_sequence_indices")
+    if masking is None or not all(hasattr(masking, n) for n in names):
+        yield
+        return
+    real = {n: getattr(masking, n) for n in names}
+
+    def packed(position_ids):
+        given = getattr(step, "inputs", ())
+        if any(position_ids is t or position_ids._base is t for t in given):
+            return real["find_packed_sequence_indices"](position_ids)
+        return None  # counted by the model: one sequence per row
+
+    setattr(masking, "is_torchdynamo_exporting", lambda: False)  # noqa: B010
+    setattr(masking, "find_packed_sequence_indices", packed)  # noqa: B010
+    try:
+        yield
+    finally:
+        for n, f in real.items():
+            setattr(masking, n, f)
+
+
 def _failing_module(model: nn.Module, exc: BaseException) -> str:
     """The innermost module of ``model`` whose ``forward`` is on the exception's stack."""
     names = {id(m): n for n, m in model.named_modules()}
@@ -413,7 +458,12 @@ def trace_step(
     t0 = time.perf_counter()
     attention = _TargetAttention()
     try:
-        with attention, cast_parameters(model, mp_policy), _without_partial_graph():
+        with (
+            attention,
+            cast_parameters(model, mp_policy),
+            _masks_as_eager(step),
+            _without_partial_graph(),
+        ):
             ep = torch.export.export(step, args, strict=False)
     except Exception as e:  # noqa: BLE001 - rewrap with the module that failed
         where = _failing_module(model, e)

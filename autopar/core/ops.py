@@ -23,6 +23,29 @@ Kernels, by device:
           their ``lse`` is padded to a multiple of 32 rows, cut here and padded back).
 Grouped-query key/value heads are repeated to H before the kernel and their gradients summed
 back over each group.
+
+Sequence-sharded attention (context parallelism, passes/rules): one rank holds query rows
+[o, o + S) of a sequence of T and every key (gathered), and runs
+
+    sdpa_rows(q, k, v, mask, is_causal, scale, o) -> (out, lse)
+    sdpa_rows_backward(grad_out, q, k, v, out, lse, mask, is_causal, scale, o) -> (dq, dk, dv)
+
+where causal means global row o + i sees key j <= o + i. ``mask`` holds the rank's rows (or
+broadcasts over them). Causal rows split the keys into blocks, each one kernel call:
+
+    prefix   keys [0, o): every one visible to every local row (no causal mask)
+    diagonal keys [o, o + S): the square causal block, as the kernel aligns it
+    after    keys [o + S, T): seen by no local row, never read
+
+The blocks' partial results merge by their log-sum-exps (the online softmax):
+
+    lse = logaddexp(lse_1, lse_2),   out = sum_b exp(lse_b - lse) * out_b
+
+and the backward runs each block's kernel backward with the merged ``out`` and ``lse``: the
+kernel recomputes P = exp(scale q k^T - lse) and D = rowsum(dO * out), which are then the
+whole row's, so each block's dq adds up to the row's and its dk, dv are the block's keys'.
+``dk``/``dv`` come back for all T keys (zero where no local row looks): each rank's part of
+a sum over the ranks (a ``Partial`` gradient, reduce-scattered by the plan).
 """
 
 from __future__ import annotations
@@ -33,7 +56,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["sdpa", "sdpa_backward", "lse_dtype"]
+__all__ = [
+    "in_layout_of",
+    "lse_dtype",
+    "sdpa",
+    "sdpa_backward",
+    "sdpa_rows",
+    "sdpa_rows_backward",
+]
 
 aten = torch.ops.aten
 
@@ -41,6 +71,21 @@ aten = torch.ops.aten
 def lse_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype the kernels keep the log-sum-exp in."""
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def in_layout_of(t: Tensor, like: Tensor) -> Tensor:
+    """``t`` with its dims laid out in memory in the order of ``like``'s (a copy only where
+    the orders differ): what a kernel returns must match the layout its fake promised."""
+
+    def order(x: Tensor) -> list[int]:
+        strides = x.stride()
+        return sorted(range(x.dim()), key=lambda d: (-strides[d], d))
+
+    want = order(like)
+    if order(t) == want:
+        return t
+    inverse = [want.index(d) for d in range(like.dim())]
+    return t.permute(want).contiguous().permute(inverse)
 
 
 def _repeat_kv(t: Tensor, groups: int) -> Tensor:
@@ -76,11 +121,16 @@ def sdpa(
     return out, lse
 
 
-@sdpa.register_fake
-def _(q, k, v, mask, is_causal, scale):
+def _empty_attention(q: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """An attention's outputs, unfilled: out [B, H, S, E] and lse [B, H, S]."""
     b, h, s, _ = q.shape
     out = q.new_empty((b, h, s, v.shape[-1]))
     return out, q.new_empty((b, h, s), dtype=lse_dtype(q.dtype))
+
+
+@sdpa.register_fake
+def _(q, k, v, mask, is_causal, scale):
+    return _empty_attention(q, v)
 
 
 @torch.library.custom_op("autopar::sdpa_backward", mutates_args=())
@@ -121,7 +171,10 @@ def sdpa_backward(
         dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad_out.contiguous(), q, kr, vr, out, lse, 0.0, is_causal, attn_mask=mask, scale=scale
         )
-    return dq, _sum_groups(dk, groups), _sum_groups(dv, groups)
+    # each gradient laid out as its input (as the fake below says): a key gradient flows
+    # back through the transpose of the projection it came from, whose view needs that layout
+    dk, dv = _sum_groups(dk, groups), _sum_groups(dv, groups)
+    return in_layout_of(dq, q), in_layout_of(dk, k), in_layout_of(dv, v)
 
 
 @sdpa_backward.register_fake
@@ -143,3 +196,81 @@ def _backward(ctx, grad_out, _grad_lse):
 
 
 sdpa.register_autograd(_backward, setup_context=_setup)
+
+
+def _key_blocks(
+    q_rows: int, keys: int, is_causal: bool, offset: int
+) -> list[tuple[int, int, bool]]:
+    """``(start, end, causal)`` of the key blocks rows [offset, offset + q_rows) read."""
+    if not is_causal:
+        return [(0, keys, False)]
+    blocks = [(0, offset, False)] if offset > 0 else []
+    return blocks + [(offset, offset + q_rows, True)]
+
+
+def _mask_cols(mask: Tensor | None, start: int, end: int) -> Tensor | None:
+    if mask is None or mask.shape[-1] == 1:
+        return mask
+    return mask[..., start:end]
+
+
+@torch.library.custom_op("autopar::sdpa_rows", mutates_args=())
+def sdpa_rows(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+    is_causal: bool,
+    scale: float,
+    offset: int,
+) -> tuple[Tensor, Tensor]:
+    """Attention of the query rows starting at global row ``offset`` (module docstring)."""
+    parts = []
+    for start, end, causal in _key_blocks(q.shape[2], k.shape[2], is_causal, offset):
+        kb, vb = k[:, :, start:end], v[:, :, start:end]
+        parts.append(sdpa(q, kb, vb, _mask_cols(mask, start, end), causal, scale))
+    if len(parts) == 1:
+        out, lse = parts[0]
+        return out.clone(), lse.clone()
+    lses = torch.stack([lse for _, lse in parts])
+    lse = torch.logsumexp(lses, dim=0)
+    acc = torch.zeros(parts[0][0].shape, dtype=lse.dtype, device=q.device)
+    for (o, _), lse_b in zip(parts, lses):
+        acc += o.to(lse.dtype) * torch.exp(lse_b - lse).unsqueeze(-1)
+    return acc.to(q.dtype), lse
+
+
+@sdpa_rows.register_fake
+def _(q, k, v, mask, is_causal, scale, offset):
+    return _empty_attention(q, v)
+
+
+@torch.library.custom_op("autopar::sdpa_rows_backward", mutates_args=())
+def sdpa_rows_backward(
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    mask: Tensor | None,
+    is_causal: bool,
+    scale: float,
+    offset: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of ``sdpa_rows``: dq for the local rows, dk and dv for all T keys."""
+    dq = torch.zeros_like(q)
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    for start, end, causal in _key_blocks(q.shape[2], k.shape[2], is_causal, offset):
+        kb, vb = k[:, :, start:end], v[:, :, start:end]
+        m = _mask_cols(mask, start, end)
+        dq_b, dk_b, dv_b = sdpa_backward(grad_out, q, kb, vb, out, lse, m, causal, scale)
+        dq += dq_b
+        dk[:, :, start:end] = dk_b
+        dv[:, :, start:end] = dv_b
+    return dq, dk, dv
+
+
+@sdpa_rows_backward.register_fake
+def _(grad_out, q, k, v, out, lse, mask, is_causal, scale, offset):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)

@@ -26,6 +26,7 @@ __all__ = [
     "divides",
     "is_planned",
     "is_strided",
+    "local_offset",
     "local_shape",
     "parse_placement",
     "parse_placements",
@@ -98,6 +99,22 @@ def local_shape(shape: tuple[int, ...], placements: Placements, mesh_shape) -> t
         if isinstance(p, (Shard, _StridedShard)):
             out[p.dim] = math.ceil(out[p.dim] / size)
     return tuple(out)
+
+
+def local_offset(
+    shape: tuple[int, ...], placements: Placements, mesh_shape, coordinate
+) -> tuple[int, ...]:
+    """Where the block of the rank at mesh ``coordinate`` starts in each dim of a tensor of
+    global ``shape`` (evenly divided: ``divides``). Axes split a dim in mesh order, each the
+    chunk the axes before it left, as DTensor's ``Shard`` does."""
+    start, size = [0] * len(shape), list(shape)
+    for n, p, c in zip(mesh_shape, placements, coordinate):
+        if isinstance(p, Shard) and not isinstance(p, _StridedShard):
+            size[p.dim] //= n
+            start[p.dim] += c * size[p.dim]
+        elif isinstance(p, _StridedShard):
+            raise ValueError(f"no contiguous block for {placement_str(p)}")
+    return tuple(start)
 
 
 def contiguous_stride(shape) -> tuple[int, ...]:

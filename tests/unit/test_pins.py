@@ -141,6 +141,8 @@ def test_megatron_reads_hf_conv1d_weights_as_in_by_out():
     attn = next(k for k in cons if k.endswith("attn.c_attn.weight"))
     proj = next(k for k in cons if k.endswith("attn.c_proj.weight"))
     assert cons[attn] == "R,S(1)" and cons[proj] == "R,S(0)"  # Conv1D: [in, out]
+    # the head is the token embedding under a second name: both split the vocabulary alike
+    assert cons["lm_head.weight"] == cons["transformer.wte.weight"] == "R,S(0)"
     with pytest.raises(ValueError, match="column=... and row="):
         experts.megatron(torch.nn.Sequential(torch.nn.Linear(4, 4)), MESH_2x2)
     with pytest.raises(ValueError, match="no mesh axis 'cp'"):
@@ -154,6 +156,8 @@ def test_megatron_reads_hf_conv1d_weights_as_in_by_out():
         ({"*.bias": "R,R"}, "gives 2 placements for a mesh of 1 axes"),
         ({"input:7": "S(0)"}, "the step takes 2 inputs and targets"),
         ({"reshard:tp": "none"}, "the mesh axes are"),
+        ({"output:no.such.*": "R"}, "matches no module path"),
+        ({"attention:0": "S(0)"}, "'attention:\\*' pins every attention"),
         ({"*": "Q"}, "is not placements"),
         # two layers folded together cannot be placed apart
         ({"blocks.0.fc1.weight": "S(0)", "blocks.1.fc1.weight": "S(1)"}, "folded together"),
@@ -165,3 +169,92 @@ def test_constraints_that_cannot_hold_say_why(gpt, constraints, message):
     model, inputs, kw = gpt
     with pytest.raises((ValueError, SolveError), match=message):
         autopar.plan(model, MESH_4, inputs, constraints=constraints, memory_budget=math.inf, **kw)
+
+
+@pytest.mark.parametrize("text", ["S(2)", "S(1)", "R"])
+def test_attention_pin_fixes_every_attention_node_forward_and_backward(text):
+    # "S(2)": the query rows split over the axis (context parallelism); "S(1)": the heads
+    model, inputs, kw = _gpt("hf-llama")
+    plan = autopar.plan(
+        model, Mesh((2,), ("cp",), device="h100"), inputs, constraints={"attention:*": text}, **kw
+    )
+    nodes = [n for n in plan.nodes if n.startswith("sdpa")]
+    assert len(nodes) == 4  # two layers, forward and backward
+    for n in nodes:
+        assert plan.nodes[n].out[0] == (text,)
+    if text == "S(2)":  # every key gathered, each rank's share of their gradients summed
+        fwd, bwd = plan.nodes["sdpa"], plan.nodes["sdpa_backward"]
+        assert fwd.ins[1] == fwd.ins[2] == ("R",)
+        assert bwd.out[1] == bwd.out[2] == ("P(sum)",)
+
+
+def test_attention_pin_needs_a_fused_attention(gpt):
+    model, inputs, kw = gpt
+    with pytest.raises(ValueError, match="no fused attention"):
+        autopar.plan(model, MESH_4, inputs, constraints={"attention:*": "R"}, **kw)
+
+
+def _splits_sequence(space, seq: int) -> list[str]:
+    """Nodes of ``space`` with a strategy that splits a dim of length ``seq``."""
+    out = []
+    for name, strats in space.strategies.items():
+        outs = space.shapes.get(name, ())
+        ins = [space.tensor(src, so) for src, so in space.in_sources.get(name, ())]
+        for st in strats:
+            pairs = list(zip(st.out, outs)) + list(zip(st.ins, ins))
+            if any(
+                ps is not None
+                and sd is not None
+                and any(getattr(p, "dim", None) is not None and sd[0][p.dim] == seq for p in ps)
+                for ps, sd in pairs
+            ):
+                out.append(name)
+                break
+    return out
+
+
+def test_sequence_none_drops_every_split_along_the_sequence():
+    import contextlib
+
+    from autopar.passes.pins import drop_sequence_splits
+    from autopar.passes.strategies import build_strategies
+    from autopar.passes.trace import trace_step
+
+    model, inputs, kw = _gpt("hf-llama")
+    with contextlib.ExitStack() as stack:
+        step = trace_step(model, inputs, stack=stack, **kw)
+        space = build_strategies(step, Mesh((2,), ("cp",)))
+    seq = inputs[0].shape[1]
+    before = _splits_sequence(space, seq)
+    assert "sdpa" in before and len(before) > 50  # rows of attention, norms, MLPs, the loss
+    drop_sequence_splits(space)
+    assert _splits_sequence(space, seq) == []
+    assert all(space.strategies.values())  # every node keeps a strategy
+
+
+def test_sequence_none_plans_and_refuses_a_row_split_attention():
+    model, inputs, kw = _gpt("hf-llama")
+    mesh = Mesh((2,), ("cp",), device="h100")
+    plan = autopar.plan(model, mesh, inputs, constraints={"sequence": "none"}, **kw)
+    assert all(c.out[0] != ("S(2)",) for n, c in plan.nodes.items() if n.startswith("sdpa"))
+    assert plan.input_placements[0] != (Shard(1),)
+    with pytest.raises(ValueError, match="no strategy places it S\\(2\\)"):
+        autopar.plan(
+            model, mesh, inputs, constraints={"sequence": "none", "attention:*": "S(2)"}, **kw
+        )
+
+
+def test_megatron_sequence_parallel_pins_every_norm_output_along_the_sequence():
+    model, _, _, _ = build_example("hf-llama", batch=2)
+    cons = experts.megatron(model, MESH_2x2, dp="dp", sequence_parallel=True)
+    norms = {k: v for k, v in cons.items() if k.startswith("output:")}
+    # two layers' input and post-attention norms, and the final norm
+    assert set(norms) == {
+        "output:model.norm",
+        *(
+            f"output:model.layers.{i}.{n}"
+            for i in range(2)
+            for n in ("input_layernorm", "post_attention_layernorm")
+        ),
+    }
+    assert set(norms.values()) == {"S(0),S(1)"}  # batch over dp, tokens over tp

@@ -91,3 +91,12 @@ def test_op_schemas_say_what_aliases_and_what_writes():
     add_ = torch.ops.aten.add_.Tensor._schema
     assert add_.arguments[0].alias_info is not None and add_.arguments[0].alias_info.is_write
     assert torch.Tag.nondeterministic_seeded in torch.ops.aten.bernoulli.default.tags
+
+
+def test_functional_collectives_codegen_traces_exchanges_with():
+    # passes/codegen._Pair: the pairwise exchanges of load-balanced attention rows
+    import torch.distributed._functional_collectives as funcol
+
+    params = list(inspect.signature(funcol.all_to_all_single).parameters)
+    assert params[:4] == ["self", "output_split_sizes", "input_split_sizes", "group"]
+    assert callable(funcol.wait_tensor)

@@ -1,0 +1,123 @@
+"""Sequence and context parallelism on gloo, each equal to the single-device model in float64.
+
+Context parallelism: attention with its query rows split over a mesh axis
+(passes/rules, ``sequence``; every key and value all-gathered there, their gradients summed
+back) equals the single-device model in float64: loss of every step, every gradient, every
+parameter after 3 AdamW steps.
+
+The attention is pinned (``{"attention:*": ...}``, passes/pins) so that the split under test
+is the one run whatever the solver would have chosen for these small models; the solver
+places everything else. Causal rows need their offset in the sequence (core/ops.py,
+``sdpa_rows``), and are load-balanced: each rank computes its partner's last rows, the
+halves exchanged by all_to_all (passes/rules); every exchange the plan prices is run.
+
+Megatron sequence parallelism: the parameters pinned as Megatron-LM splits them and the
+norms' outputs split along the sequence over ``tp`` (``experts.megatron(...,
+sequence_parallel=True)``); the solver then all-gathers the input of each column-parallel
+block and reduce-scatters the output of each row-parallel one.
+"""
+
+import warnings
+
+import pytest
+import torch
+
+from autopar import Mesh, Plan, api, experts
+from autopar.passes.strategies import NoRuleWarning
+from autopar.verify import _cast, build_example, verify
+
+F64 = 1e-8
+
+CASES = [
+    # (example, mesh, axes, attention placements)
+    # causal, grouped-query (4 query heads over 2 key/value heads), rotary positions
+    ("hf-llama", (2,), ("cp",), "S(2)"),
+    # four runs of rows: ranks 0 and 3, 1 and 2 balance each other
+    ("hf-llama", (4,), ("cp",), "S(2)"),
+    # bidirectional (an encoder), learned positions
+    ("bert", (2,), ("cp",), "S(2)"),
+    # the batch over one axis, the rows over the other
+    ("hf-llama", (2, 2), ("dp", "cp"), "S(0),S(2)"),
+]
+
+
+def _plan(example, mesh_shape, axes, constraints, batch: int) -> Plan:
+    torch.manual_seed(0)
+    model, inputs, loss_fn, targets = build_example(example, batch=batch)
+    model = model.to(torch.float64)
+    mesh = Mesh(mesh_shape, axes, device="cpu")
+    if callable(constraints):
+        constraints = constraints(model, mesh)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NoRuleWarning)
+        plan = api.plan(
+            model,
+            mesh,
+            tuple(_cast(t, torch.float64) for t in inputs),
+            loss_fn=loss_fn,
+            example_targets=tuple(_cast(t, torch.float64) for t in targets),
+            constraints=constraints,
+        )
+    return plan
+
+
+def _plan_json(example, mesh_shape, axes, attention: str, batch: int) -> str:
+    plan = _plan(example, mesh_shape, axes, {"attention:*": attention}, batch)
+    cp = axes.index("cp")
+    for name, choice in plan.nodes.items():
+        if name.startswith("sdpa"):  # the rows split over cp, as pinned
+            assert choice.out[0][cp] == "S(2)", (name, choice)
+    return plan.to_json(timings=True)
+
+
+def _check_numerics(reports) -> None:
+    for r in reports:
+        for got, want in zip(r.losses, r.ref_losses):
+            assert abs(got - want) <= F64 * abs(want), (r.losses, r.ref_losses)
+        assert r.grad_rel_err <= F64, (r.grad_rel_err, r.worst_grad)
+        assert r.param_rel_err <= F64, (r.param_rel_err, r.worst_param)
+        assert not r.mismatches, r.mismatches
+
+
+def _inner(edge: str) -> bool:
+    src, _, dst = edge.partition("->")
+    return src == dst
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{'x'.join(map(str, c[1]))}")
+def test_context_parallel_step_equals_single_device(case):
+    example, mesh_shape, axes, attention = case
+    batch = 2
+    plan_json = _plan_json(example, mesh_shape, axes, attention, batch)
+    reports = verify(example, mesh_shape, axes, plan_json=plan_json, batch=batch)
+    plan = Plan.from_json(plan_json)
+    # the exchanges of balanced causal rows: the plan's (an edge from a node to itself)
+    # are those the step ran (gloo runs a reshard's all_to_all as an all_gather)
+    exchanges = sum(1 for c in plan.collectives if _inner(c["edge"]))
+    assert reports[0].ran.get(("all_to_all", "cp"), 0) == exchanges
+    assert (exchanges > 0) == (example != "bert")  # only causal rows are balanced
+    _check_numerics(reports)
+    # the keys and values were gathered over the rows' axis
+    assert any(kind == "all_gather" and axis == "cp" for kind, axis in reports[0].ran)
+
+
+def _megatron_sp(model, mesh):
+    return experts.megatron(model, mesh, sequence_parallel=True)
+
+
+@pytest.mark.parametrize("example", ["hf-llama", "hf-gpt2"])
+def test_megatron_sequence_parallel_step_equals_single_device(example):
+    batch = 2
+    plan = _plan(example, (2,), ("tp",), _megatron_sp, batch)
+    # the norms between blocks split along the sequence: each reduces over the hidden dim
+    # of a [B, S, H] activation split along S
+    norms = [
+        n for n in plan.nodes if n.startswith(("mean", "native_layer_norm")) and "backward" not in n
+    ]
+    assert norms and all(plan.nodes[n].out[0] == ("S(1)",) for n in norms), norms
+    counts = plan.collective_counts()
+    # row-parallel outputs reduce-scattered, column-parallel inputs all-gathered
+    assert counts.get(("reduce_scatter", "tp"), 0) >= 4, counts
+    assert counts.get(("all_gather", "tp"), 0) >= 4, counts
+    reports = verify(example, (2,), ("tp",), plan_json=plan.to_json(timings=True), batch=batch)
+    _check_numerics(reports)
