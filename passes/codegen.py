@@ -106,8 +106,6 @@ _aten = torch.ops.aten
 # factories that take their dtype and device from a tensor and their size from an argument
 _NEW_FACTORIES = {_aten.new_zeros, _aten.new_ones, _aten.new_empty, _aten.new_full}
 _SDPA = torch.ops.autopar.sdpa.default
-# attention ops -> the position of q among their tensor inputs
-_ROWS_ATTENTION = {_SDPA: 0, torch.ops.autopar.sdpa_backward.default: 1}
 
 
 def _spec(dmesh, placements, val) -> DTensorSpec:
@@ -243,8 +241,9 @@ class _Localizer(torch.fx.Interpreter):
             # placement of the tensor it takes its dtype and device from
             size = local_shape(tuple(node.meta["val"].shape), out_ps[0], self.dmesh.shape)
             return target(args[0], list(size), *args[2:], **kwargs)
-        if target in _ROWS_ATTENTION and rules.sequence_axes(dst_all[_ROWS_ATTENTION[target]][0]):
-            return self._rows_attention(target, args, dst_all[_ROWS_ATTENTION[target]])
+        at = rules.ATTENTION_Q.get(target)
+        if at is not None and rules.sequence_axes(dst_all[at][0]):
+            return self._rows_attention(target, args, dst_all[at])
         return self._run_op(node, target, args, kwargs, in_nodes, dst_all, out_ps)
 
     def _rows_attention(self, target, args, q_placed):
@@ -256,7 +255,7 @@ class _Localizer(torch.fx.Interpreter):
         (axis,) = rules.sequence_axes(ps)
         ranks = self.dmesh.shape[axis]
         rows = local_shape(tuple(q_val.shape), ps, self.dmesh.shape)[2]
-        if rules.balanced(bool(args[4] if forward else args[7]), rows, ranks):
+        if rules.balanced(rules.is_causal(target, args), rows, ranks):
             pair = _Pair(coordinate[axis], ranks, self.dmesh.get_group(axis), offset, rows)
             outs = pair.forward(*args) if forward else pair.backward(*args)
         elif forward:

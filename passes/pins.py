@@ -41,14 +41,9 @@ import math
 import operator
 from dataclasses import dataclass
 
-import torch
+from autopar.core import StrategySpace
 
-from autopar.core import (
-    StrategySpace,
-    ops,  # noqa: F401 - defines torch.ops.autopar
-)
-
-ATTENTION_OPS = (torch.ops.autopar.sdpa.default, torch.ops.autopar.sdpa_backward.default)
+from . import rules
 
 __all__ = [
     "Pin",
@@ -125,7 +120,7 @@ def resolve(space: StrategySpace, constraints) -> tuple[list[Pin], dict[int, fro
             matched = [
                 (f"{name} ({space.targets[name]})", name)
                 for name in space.order
-                if space.targets.get(name) in ATTENTION_OPS
+                if space.targets.get(name) in rules.ATTENTION_Q
             ]
             if not matched:
                 raise ValueError(f"constraint {pattern!r}: the step has no fused attention")

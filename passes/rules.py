@@ -84,6 +84,7 @@ __all__ = [
     "decompositions_without_rules",
     "grouped_mm_backward_rule",
     "grouped_mm_rule",
+    "is_causal",
     "has_rule",
     "register_library_rules",
     "sdpa_backward_rule",
@@ -153,6 +154,11 @@ def sdpa_backward_rule(grad_out, q, k, v, out, lse, mask, is_causal, scale):
 
 ATTENTION_Q: dict[object, int] = {_SDPA: 0, _SDPA_BACKWARD: 1}
 """The attention ops, each with the position of q among its tensor inputs."""
+
+
+def is_causal(target, args) -> bool:
+    """The ``is_causal`` argument of an attention call (``sdpa`` or its backward)."""
+    return bool(args[4] if target == _SDPA else args[7])
 
 
 def split_once(target, ins) -> bool:

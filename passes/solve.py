@@ -293,11 +293,10 @@ def _inner_collectives(space: StrategySpace, name: str, s: Strategy) -> list[Col
     args, _ = space.calls[name]
     q_shape, dtype = space.tensor(*space.in_sources[name][at])
     v_shape, _ = space.tensor(*space.in_sources[name][at + 2])
-    is_causal = args[4] if at == 0 else args[7]
     ranks = space.mesh.shape[axes[0]]
     local_q = local_shape(q_shape, s.ins[at], space.mesh.shape)
     return rules.balance_exchanges(
-        target, bool(is_causal), local_q, v_shape[-1], dtype, axes[0], ranks
+        target, rules.is_causal(target, args), local_q, v_shape[-1], dtype, axes[0], ranks
     )
 
 
