@@ -92,7 +92,7 @@ def _constraints(constraints) -> tuple[tuple[str, str], ...]:
         return ()
     out = []
     for pattern, value in dict(constraints).items():
-        if str(pattern).startswith("reshard:") or pattern == "sequence":  # rules, not placements
+        if str(pattern).startswith("reshard:") or pattern in ("sequence", "context"):  # rules
             out.append((str(pattern), str(value)))
             continue
         if isinstance(value, str):

@@ -24,6 +24,10 @@ Takes: a ``StrategySpace`` and the user's constraints, ``(pattern, placements te
       (and the sharding of parameters). The strategies that split such a dim, of an output
       or an input, are dropped from the space (``drop_sequence_splits``; a dim of another
       tensor that happens to be as long is held whole too).
+    - ``context`` with ``ring`` or ``gather``: attention that splits its query rows does so
+      only that way (passes/rules: the keys passed around a ring, or all-gathered); the
+      other variant's strategies are dropped (``keep_context_variant``). With
+      ``attention:*`` pinned to a row split, this picks the context-parallel algorithm.
 Returns: ``Pin``s, each a node with the placements its first output must take (and, for a
 whole plan, its inputs'); passes/solve turns each into one constraint, ``sum x[v,k] = 1``
 over the strategies that agree (``pin_node``); and the frozen axes, ``{axis: allowed
@@ -49,6 +53,7 @@ __all__ = [
     "Pin",
     "check_folding",
     "drop_sequence_splits",
+    "keep_context_variant",
     "module_outputs",
     "parameter_uses",
     "resolve",
@@ -87,6 +92,9 @@ def resolve(space: StrategySpace, constraints) -> tuple[list[Pin], dict[int, fro
             if text != "none":
                 raise ValueError(f"constraint 'sequence': 'none', got {text!r}")
             drop_sequence_splits(space)
+            continue
+        if pattern == "context":
+            keep_context_variant(space, text)
             continue
         if len(text.split(",")) != ndim:
             raise ValueError(
@@ -185,6 +193,23 @@ def drop_sequence_splits(space: StrategySpace) -> None:
         if not kept:
             raise ValueError(f"constraint 'sequence': node {name} has no strategy left")
         space.strategies[name] = kept
+
+
+def keep_context_variant(space: StrategySpace, variant: str) -> None:
+    """Drop the attention strategies that split the query rows another way than
+    ``variant`` (module docstring)."""
+    if variant not in ("ring", "gather"):
+        raise ValueError(f"constraint 'context': 'ring' or 'gather', got {variant!r}")
+    found = False
+    for name, strats in space.strategies.items():
+        target = space.targets.get(name)
+        if target not in rules.ATTENTION_Q:
+            continue
+        found = True
+        kept = [s for s in strats if rules.context_variant(target, s.ins) in (None, variant)]
+        space.strategies[name] = kept
+    if not found:
+        raise ValueError("constraint 'context': the step has no fused attention")
 
 
 def parameter_uses(space: StrategySpace) -> frozenset[str]:

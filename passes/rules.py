@@ -23,24 +23,45 @@ out [B, H, S, E], lse [B, H, S], mask broadcastable to [B, H, S, T]:
                  Replicate; backward: dq Shard(2), dk and dv Partial(sum) (each rank's rows'
                  share of every key's gradient, reduce-scattered or all-reduced by the plan)
 
+    ring         (self-attention: S = T) q, k, v, out, lse, grad_out and every gradient
+                 Shard(2); the mask as in ``sequence``. Each rank holds a run of rows and
+                 the keys and values of the same positions, passed around the axis (ring
+                 attention, passes/codegen): in n steps, at step i rank c computes its rows
+                 against the block of rank c - i (mod n) while the block it holds travels on
+                 to rank c + 1 (sent before the step's kernels, waited for after them:
+                 overlapped). The backward passes the blocks around again, and with each an
+                 accumulator of its keys' and values' gradients (in the lse's dtype: float32
+                 for 16-bit inputs), to which each rank adds its rows' share and sends on, one
+                 step behind the block; after n steps each accumulator is home, so dk and dv
+                 are Shard(2) with no reduction after. ``ring_steps`` lists the shifts in
+                 flight during each step: passes/solve prices a step as the longer of its
+                 kernels and its shifts, the backward's last shift after (nothing overlaps it).
+                 Unlike ``sequence`` no rank ever holds every key: the choice for contexts
+                 whose keys and values do not fit whole, or whose gather would not hide.
+
+``context_variant`` tells ``sequence`` ("gather") from ``ring`` by the keys' placement.
+
 A split that does not divide (K heads over more ranks than K) is dropped by the planner's
 divisibility check (``core.placements.divides``).
 
 The sequence split needs each rank to know which rows it holds: a causal row o + i sees keys
 up to o + i, which the kernel cannot tell from the local tensors. passes/codegen runs a
 sequence-sharded attention node as ``autopar::sdpa_rows`` / ``sdpa_rows_backward``
-(core/ops.py) with the rank's row offset (``sequence_axes`` says where the rule split the rows).
+(core/ops.py) with the rank's row offset (``sequence_axes`` says where the rule split the rows),
+and a ring node block by block with each block's key offset too (``core.ops.key_blocks``).
 The rows are split over one mesh axis at most (``split_once`` drops the rest).
 
-Causal rows are load-balanced: with the rows split in n runs of S over the axis, run c's last
-rows see more keys than run c - 1's. Rank c keeps the first half of its run and computes the
+Causal rows are load-balanced (gathered or ring): with the rows split in n runs of S over the
+axis, run c's last rows see more keys than run c - 1's. Rank c keeps the first half of its run and computes the
 second half of its partner's, rank n - 1 - c (and the partner the other two halves), so each
 rank computes rows whose key counts add up to S (T + 1) / 2, the average, whatever c (the
 middle rank of an odd axis pairs with itself). The halves travel there and back in three
 pairwise exchanges per node (``balance_exchanges``, ``all_to_all`` over the axis):
     forward   q's second half there; out's and lse's back
     backward  grad_out's, q's and out's second halves there (one buffer), lse's; dq's back
-(dk and dv stay where they are computed: they are summed over the axis anyway). An odd run
+(dk and dv stay where they are computed: summed over the axis anyway, or, in the ring, added
+to the accumulator of the block they belong to, wherever it is). On the ring, rank c then
+computes, at every step, both its rows and its partner's against the block it holds. An odd run
 length S is not split (not balanced: priced at the last rank's share, cost_models/compute).
 
 Mixture-of-experts grouped matmuls (``transformers::grouped_mm_fallback`` and its backward,
@@ -81,12 +102,15 @@ __all__ = [
     "ATTENTION_Q",
     "balance_exchanges",
     "balanced",
+    "context_variant",
     "decompositions_without_rules",
     "grouped_mm_backward_rule",
     "grouped_mm_rule",
     "is_causal",
     "has_rule",
+    "keys_gathered",
     "register_library_rules",
+    "ring_steps",
     "sdpa_backward_rule",
     "sdpa_rule",
     "sequence_axes",
@@ -129,6 +153,8 @@ def sdpa_rule(q, k, v, mask, is_causal, scale):
         )
     rows = [Shard(2), Replicate(), Replicate(), _mask_placement(mask, 2, s), None, None]
     out.append(([Shard(2), Shard(2)], rows))
+    if _shape(k)[2] == s:  # self-attention: the keys split as the rows are
+        out.append(([Shard(2), Shard(2)], [Shard(2)] * 3 + rows[3:]))
     return out
 
 
@@ -149,6 +175,8 @@ def sdpa_backward_rule(grad_out, q, k, v, out, lse, mask, is_causal, scale):
     seq, r = Shard(2), Replicate()
     rows = [seq, seq, r, r, seq, seq, _mask_placement(mask, 2, s), None, None]
     rules.append(([seq, Partial(), Partial()], rows))
+    if _shape(k)[2] == s:
+        rules.append(([seq] * 3, [seq] * 6 + rows[6:]))
     return rules
 
 
@@ -192,6 +220,55 @@ def balance_exchanges(
         swaps = [half * (d + 2 * v_dim) * size, lse, half * d * size]
     scale = ranks / (ranks - 1)
     return [Collective("all_to_all", axis, int(n * scale), ranks) for n in swaps]
+
+
+def context_variant(target, ins) -> str | None:
+    """How an attention strategy (its inputs' placements ``ins``) splits the query rows:
+    ``"gather"`` (every key on every rank), ``"ring"`` (the keys split as the rows, passed
+    around), or None (not split)."""
+    at = ATTENTION_Q.get(target)
+    if at is None:
+        return None
+    axes = sequence_axes(ins[at])
+    if not axes:
+        return None
+    return "ring" if ins[at + 1][axes[0]] == Shard(2) else "gather"
+
+
+def keys_gathered(target, ins) -> tuple:
+    """``ins`` with a ring strategy's keys and values whole along the rows' axis: the
+    shapes its kernels compute on over the ring, all the keys in turn (``_node_costs``)."""
+    if context_variant(target, ins) != "ring":
+        return tuple(ins)
+    at = ATTENTION_Q[target]
+    (axis,) = sequence_axes(ins[at])
+    out = list(ins)
+    for j in (at + 1, at + 2):
+        ps = list(out[j])
+        ps[axis] = Replicate()
+        out[j] = tuple(ps)
+    return tuple(out)
+
+
+def ring_steps(
+    target, kv_shape, v_dim: int, dtype: torch.dtype, axis: int, ranks: int
+) -> tuple[list[list[Collective]], list[Collective]]:
+    """The shifts of a ring attention node (module docstring), ``kv_shape`` the local k:
+    ``(steps, tail)``, the collectives in flight while each of the ``ranks`` key blocks is
+    computed, and those after the last. Each shift sends one rank's buffer to the next rank,
+    priced as an ``all_to_all`` whose bandwidth term is the buffer's bytes over the link
+    (``nbytes`` scaled by n / (n - 1)), as ``balance_exchanges``."""
+    b, kh, s, d = kv_shape
+    scale = ranks / (ranks - 1)
+    kv = Collective(
+        "all_to_all", axis, int(b * kh * s * (d + v_dim) * dtype.itemsize * scale), ranks
+    )
+    if target == _SDPA:
+        return [[kv] if i < ranks - 1 else [] for i in range(ranks)], []
+    acc = ops.lse_dtype(dtype).itemsize
+    grads = Collective("all_to_all", axis, int(b * kh * s * (d + v_dim) * acc * scale), ranks)
+    steps = [([kv] if i < ranks - 1 else []) + ([grads] if i > 0 else []) for i in range(ranks)]
+    return steps, [grads]
 
 
 def sequence_axes(q_placements) -> tuple[int, ...]:

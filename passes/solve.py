@@ -40,7 +40,14 @@ The ILP (Alpa's intra-operator formulation):
 batch input: the time to read its local part, bytes / memory bandwidth)
 (``cost_models.compute.compute_time``, in ``_node_costs``), plus the collectives the op runs
 inside itself (a load-balanced, rows-split attention's exchanges: passes/rules,
-``balance_exchanges``; ``_inner_collectives``); ``R(p, q)`` the alpha-beta time
+``balance_exchanges``; ``_inner_collectives``). A ring attention (passes/rules, ``ring``)
+computes on every key in turn, so its kernels are priced on the keys gathered
+(``rules.keys_gathered``), and its shifts overlap them: with c that time and m_i the
+shifts in flight during step i of n (``rules.ring_steps``),
+
+    C = sum_i max(c / n, m_i) + m_tail        (``_ring_time``)
+
+``R(p, q)`` the alpha-beta time
 of the collectives that redistribute the tensor from p to q
 (``cost_models.comm.redistribute_time``, in ``_edge_cost``). Graph outputs are edges into
 fixed or tied placements (``Sink``, ``output_terms``): the loss into Replicate on every
@@ -179,6 +186,7 @@ from torch.utils._pytree import tree_map
 
 from autopar.core import (
     Collective,
+    Mesh,
     Recompute,
     Solution,
     Strategy,
@@ -255,10 +263,13 @@ def _node_costs(space: StrategySpace, name: str, profile: DeviceProfile) -> list
             costs.append(cache[key])
             continue
 
-        def local(a, s=s):
+        # a ring's kernels read every key in turn: priced on the keys gathered
+        ins = rules.keys_gathered(target, s.ins)
+
+        def local(a, ins=ins):
             if isinstance(a, TensorInput):
                 sd = in_shapes[a.index]
-                return torch.Size(local_shape(sd[0], s.ins[a.index], mesh_shape))
+                return torch.Size(local_shape(sd[0], ins[a.index], mesh_shape))
             return a
 
         largs = tree_map(local, args)
@@ -272,7 +283,10 @@ def _node_costs(space: StrategySpace, name: str, profile: DeviceProfile) -> list
             c = compute_time(profile, target, largs, lkwargs, out, dtype)
         except Exception:  # noqa: BLE001 - a formula that cannot price it: price by bytes
             c = compute_time(profile, torch.ops.aten.add.Tensor, (), {}, out if out else (), dtype)
-        inner = _inner_collectives(space, name, s)
+        ring = _ring_steps(space, name, s)
+        if ring is not None:
+            c = _ring_time(c, ring[0], ring[1], space.mesh, profile)
+        inner = _balance_exchanges(space, name, s)
         if inner:
             c += collectives_time(inner, space.mesh, profile)
         cache[key] = c
@@ -282,7 +296,17 @@ def _node_costs(space: StrategySpace, name: str, profile: DeviceProfile) -> list
 
 def _inner_collectives(space: StrategySpace, name: str, s: Strategy) -> list[Collective]:
     """The collectives node ``name`` runs inside its op under strategy ``s``: a causal
-    attention whose query rows are split, load-balanced over their axis (passes/rules)."""
+    attention whose query rows are split, load-balanced over their axis, and a ring
+    attention's shifts (passes/rules)."""
+    out = _balance_exchanges(space, name, s)
+    ring = _ring_steps(space, name, s)
+    if ring is not None:
+        steps, tail = ring
+        out += [c for step in steps for c in step] + tail
+    return out
+
+
+def _balance_exchanges(space: StrategySpace, name: str, s: Strategy) -> list[Collective]:
     target = space.targets[name]
     at = rules.ATTENTION_Q.get(target)
     if at is None:
@@ -298,6 +322,36 @@ def _inner_collectives(space: StrategySpace, name: str, s: Strategy) -> list[Col
     return rules.balance_exchanges(
         target, rules.is_causal(target, args), local_q, v_shape[-1], dtype, axes[0], ranks
     )
+
+
+def _ring_steps(
+    space: StrategySpace, name: str, s: Strategy
+) -> tuple[list[list[Collective]], list[Collective]] | None:
+    """``rules.ring_steps`` of a ring attention strategy, else None."""
+    target = space.targets[name]
+    if rules.context_variant(target, s.ins) != "ring":
+        return None
+    at = rules.ATTENTION_Q[target]
+    (axis,) = rules.sequence_axes(s.ins[at])
+    k_shape, dtype = space.tensor(*space.in_sources[name][at + 1])
+    v_shape, _ = space.tensor(*space.in_sources[name][at + 2])
+    local_k = local_shape(k_shape, s.ins[at + 1], space.mesh.shape)
+    return rules.ring_steps(target, local_k, v_shape[-1], dtype, axis, space.mesh.shape[axis])
+
+
+def _ring_time(
+    compute_s: float,
+    steps: list[list[Collective]],
+    tail: list[Collective],
+    mesh: Mesh,
+    profile: DeviceProfile,
+) -> float:
+    """A ring attention's time (passes/rules, ``ring``): each of its n steps the longer of
+    its kernels (``compute_s`` / n, the blocks alike) and the shifts in flight, then the
+    shifts after the last step."""
+    block = compute_s / len(steps)
+    shifts = sum(max(block, collectives_time(step, mesh, profile)) for step in steps)
+    return shifts + collectives_time(tail, mesh, profile)
 
 
 @contextlib.contextmanager

@@ -31,13 +31,16 @@ Sequence-sharded attention (context parallelism, passes/rules): one rank holds q
     sdpa_rows_backward(grad_out, q, k, v, out, lse, mask, is_causal, scale, o) -> (dq, dk, dv)
 
 where causal means global row o + i sees key j <= o + i. ``mask`` holds the rank's rows (or
-broadcasts over them). Causal rows split the keys into blocks, each one kernel call:
+broadcasts over them). Causal rows split the keys into blocks, each one kernel call
+(``key_blocks``, for any run of keys [a, a + L), the ring's blocks included):
 
-    prefix   keys [0, o): every one visible to every local row (no causal mask)
-    diagonal keys [o, o + S): the square causal block, as the kernel aligns it
-    after    keys [o + S, T): seen by no local row, never read
+    prefix   keys [a, min(a + L, o)): every one visible to every local row (no causal mask)
+    diagonal keys [o, min(a + L, o + S)): the causal block, as the kernel aligns it (top-left:
+             local row i sees local key j <= i), which is why such a block must start at o
+    after    keys past o + S: seen by no local row, never read
 
-The blocks' partial results merge by their log-sum-exps (the online softmax):
+The blocks' partial results merge by their log-sum-exps (the online softmax,
+``merge_partial``, one block at a time, in the lse's dtype):
 
     lse = logaddexp(lse_1, lse_2),   out = sum_b exp(lse_b - lse) * out_b
 
@@ -46,6 +49,12 @@ kernel recomputes P = exp(scale q k^T - lse) and D = rowsum(dO * out), which are
 whole row's, so each block's dq adds up to the row's and its dk, dv are the block's keys'.
 ``dk``/``dv`` come back for all T keys (zero where no local row looks): each rank's part of
 a sum over the ranks (a ``Partial`` gradient, reduce-scattered by the plan).
+
+Ring attention (passes/codegen) calls ``sdpa`` and ``sdpa_backward`` on these blocks itself,
+one block of keys at a time as they pass around the ring, with ``key_blocks`` and
+``merge_partial`` (and ``after``, for the last block, which a rank may receive and not read).
+A causal mask and an explicit ``mask`` never come together (torch's attention refuses both),
+so a causal block needs no mask columns.
 """
 
 from __future__ import annotations
@@ -57,8 +66,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = [
+    "after",
     "in_layout_of",
+    "key_blocks",
     "lse_dtype",
+    "mask_cols",
+    "merge_partial",
     "sdpa",
     "sdpa_backward",
     "sdpa_rows",
@@ -198,17 +211,47 @@ def _backward(ctx, grad_out, _grad_lse):
 sdpa.register_autograd(_backward, setup_context=_setup)
 
 
-def _key_blocks(
-    q_rows: int, keys: int, is_causal: bool, offset: int
+def key_blocks(
+    q_offset: int, rows: int, k_offset: int, keys: int, is_causal: bool
 ) -> list[tuple[int, int, bool]]:
-    """``(start, end, causal)`` of the key blocks rows [offset, offset + q_rows) read."""
+    """``(start, end, causal)`` of the parts of the keys [k_offset, k_offset + keys) that
+    rows [q_offset, q_offset + rows) read, in the block's own key indices (module docstring):
+    the prefix every row sees whole, then the part of the diagonal the block holds, which
+    must start at the rows' first (the kernels align a causal mask top-left); nothing past
+    the last row's key."""
     if not is_causal:
         return [(0, keys, False)]
-    blocks = [(0, offset, False)] if offset > 0 else []
-    return blocks + [(offset, offset + q_rows, True)]
+    end = k_offset + keys
+    blocks = []
+    prefix = min(end, q_offset) - k_offset
+    if prefix > 0:
+        blocks.append((0, prefix, False))
+    lo, hi = max(k_offset, q_offset), min(end, q_offset + rows)
+    if lo < hi:
+        if lo != q_offset:
+            raise ValueError(
+                f"keys [{k_offset}, {end}) cut the causal diagonal of rows "
+                f"[{q_offset}, {q_offset + rows}) after its first row"
+            )
+        blocks.append((lo - k_offset, hi - k_offset, True))
+    return blocks
 
 
-def _mask_cols(mask: Tensor | None, start: int, end: int) -> Tensor | None:
+def merge_partial(
+    acc: tuple[Tensor, Tensor] | None, out: Tensor, lse: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Fold one key block's ``(out, lse)`` into the running ``acc`` (module docstring, the
+    online softmax), ``acc``'s output kept in the lse's dtype (float32 for 16-bit inputs)."""
+    if acc is None:
+        return out.to(lse.dtype), lse
+    acc_out, acc_lse = acc
+    merged = torch.logaddexp(acc_lse, lse)
+    acc_out = acc_out * torch.exp(acc_lse - merged).unsqueeze(-1)
+    return acc_out + out.to(lse.dtype) * torch.exp(lse - merged).unsqueeze(-1), merged
+
+
+def mask_cols(mask: Tensor | None, start: int, end: int) -> Tensor | None:
+    """The columns [start, end) of an additive mask (all of a mask that broadcasts them)."""
     if mask is None or mask.shape[-1] == 1:
         return mask
     return mask[..., start:end]
@@ -225,19 +268,18 @@ def sdpa_rows(
     offset: int,
 ) -> tuple[Tensor, Tensor]:
     """Attention of the query rows starting at global row ``offset`` (module docstring)."""
-    parts = []
-    for start, end, causal in _key_blocks(q.shape[2], k.shape[2], is_causal, offset):
-        kb, vb = k[:, :, start:end], v[:, :, start:end]
-        parts.append(sdpa(q, kb, vb, _mask_cols(mask, start, end), causal, scale))
-    if len(parts) == 1:
-        out, lse = parts[0]
+    blocks = key_blocks(offset, q.shape[2], 0, k.shape[2], is_causal)
+    if len(blocks) == 1:
+        start, end, causal = blocks[0]
+        kb, vb, m = k[:, :, start:end], v[:, :, start:end], mask_cols(mask, start, end)
+        out, lse = sdpa(q, kb, vb, m, causal, scale)
         return out.clone(), lse.clone()
-    lses = torch.stack([lse for _, lse in parts])
-    lse = torch.logsumexp(lses, dim=0)
-    acc = torch.zeros(parts[0][0].shape, dtype=lse.dtype, device=q.device)
-    for (o, _), lse_b in zip(parts, lses):
-        acc += o.to(lse.dtype) * torch.exp(lse_b - lse).unsqueeze(-1)
-    return acc.to(q.dtype), lse
+    acc = None
+    for start, end, causal in blocks:
+        kb, vb = k[:, :, start:end], v[:, :, start:end]
+        acc = merge_partial(acc, *sdpa(q, kb, vb, mask_cols(mask, start, end), causal, scale))
+    assert acc is not None
+    return acc[0].to(q.dtype), acc[1]
 
 
 @sdpa_rows.register_fake
@@ -261,9 +303,9 @@ def sdpa_rows_backward(
     """Gradients of ``sdpa_rows``: dq for the local rows, dk and dv for all T keys."""
     dq = torch.zeros_like(q)
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
-    for start, end, causal in _key_blocks(q.shape[2], k.shape[2], is_causal, offset):
+    for start, end, causal in key_blocks(offset, q.shape[2], 0, k.shape[2], is_causal):
         kb, vb = k[:, :, start:end], v[:, :, start:end]
-        m = _mask_cols(mask, start, end)
+        m = mask_cols(mask, start, end)
         dq_b, dk_b, dv_b = sdpa_backward(grad_out, q, kb, vb, out, lse, m, causal, scale)
         dq += dq_b
         dk[:, :, start:end] = dk_b
@@ -274,3 +316,16 @@ def sdpa_rows_backward(
 @sdpa_rows_backward.register_fake
 def _(grad_out, q, k, v, out, lse, mask, is_causal, scale, offset):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+@torch.library.custom_op("autopar::after", mutates_args=())
+def after(t: Tensor, held: Tensor) -> Tensor:
+    """``t`` (a copy), computed after ``held``: keeps alive, in a graph, a collective whose
+    result this rank does not read, which a partitioner would otherwise drop with the send its
+    peer waits for (ring attention's last block, on a rank whose rows see none of it)."""
+    return t.clone()
+
+
+@after.register_fake
+def _(t, held):
+    return torch.empty_like(t)

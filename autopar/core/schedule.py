@@ -11,6 +11,10 @@ communication, from the plan's per-node costs and predicted collectives:
       ``recompute:dst``;
     - gradient reductions (edges into the step's outputs) run on the communication stream
       after their gradient is made;
+    - a collective an op runs inside itself (edge ``n->n``: a load-balanced or ring
+      attention's exchanges, passes/solve) is already in the node's ``cost_s``, overlapped
+      as the op overlaps it: it is drawn on the communication stream from the node's start,
+      and nothing waits for it;
     - the communication stream runs its collectives one at a time, in the order issued.
 
 Two issue rules give two schedules:
@@ -107,8 +111,12 @@ def schedule(plan: Plan, *, overlap: bool = False) -> list[Span]:
     into: dict[str, list[dict]] = defaultdict(list)  # reshards, by the point that waits
     after: dict[str, list[dict]] = defaultdict(list)  # what each point's end issues
     grads: list[dict] = []
+    inside: dict[str, list[dict]] = defaultdict(list)  # a node's own, in its cost_s
     for c in plan.collectives:
         src, dst = edge_ends(c["edge"])
+        if src == dst:
+            inside[src].append(c)
+            continue
         if purpose(c) == "gradient reduction":
             grads.append(c)
             if overlap and src in position:
@@ -143,6 +151,7 @@ def schedule(plan: Plan, *, overlap: bool = False) -> list[Span]:
         if not overlap:
             issue(waits, clock)
         start = max([clock] + [ends[id(c)] for c in waits])
+        issue(inside.get(p, []), start)
         node = plan.nodes.get(p.removeprefix("recompute:"))
         dur = node.cost_s if node is not None else 0.0
         if node is not None and (dur > 0 or node.op != "placeholder"):
@@ -150,7 +159,8 @@ def schedule(plan: Plan, *, overlap: bool = False) -> list[Span]:
         clock = start + dur
         if overlap:
             issue(after.get(p, []), clock)
-    issue(grads + _flat(into), clock)  # (what no point waited for: none in a whole plan)
+    # (what no point waited for or ran: none in a whole plan)
+    issue(grads + _flat(into) + _flat(inside), clock)
     return compute + sorted(comm, key=lambda s: s.start_s)
 
 

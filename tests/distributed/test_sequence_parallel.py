@@ -29,18 +29,24 @@ from autopar.verify import _cast, build_example, verify
 F64 = 1e-8
 
 CASES = [
-    # (example, mesh, axes, attention placements)
+    # (example, mesh, axes, attention placements, variant: keys gathered or passed on a ring)
     # causal, grouped-query (4 query heads over 2 key/value heads), rotary positions
     pytest.param(
-        ("hf-llama", (2,), ("cp",), "S(2)"),
+        ("hf-llama", (2,), ("cp",), "S(2)", "gather"),
         marks=pytest.mark.slow,  # NOTE: (4,) and (2, 2) below cover it, for CI's half-hour
     ),
     # four runs of rows: ranks 0 and 3, 1 and 2 balance each other
-    ("hf-llama", (4,), ("cp",), "S(2)"),
+    ("hf-llama", (4,), ("cp",), "S(2)", "gather"),
     # bidirectional (an encoder), learned positions
-    ("bert", (2,), ("cp",), "S(2)"),
+    ("bert", (2,), ("cp",), "S(2)", "gather"),
     # the batch over one axis, the rows over the other
-    ("hf-llama", (2, 2), ("dp", "cp"), "S(0),S(2)"),
+    ("hf-llama", (2, 2), ("dp", "cp"), "S(0),S(2)", "gather"),
+    # ring attention: causal, balanced, grouped-query, beside data parallelism
+    ("hf-llama", (2, 2), ("dp", "cp"), "S(0),S(2)", "ring"),
+    # a ring of four: every block passes three ranks, balanced pairs 0-3 and 1-2
+    pytest.param(("hf-llama", (4,), ("cp",), "S(2)", "ring"), marks=pytest.mark.slow),
+    # bidirectional rows on a ring
+    ("bert", (2,), ("cp",), "S(2)", "ring"),
 ]
 
 
@@ -64,12 +70,16 @@ def _plan(example, mesh_shape, axes, constraints, batch: int) -> Plan:
     return plan
 
 
-def _plan_json(example, mesh_shape, axes, attention: str, batch: int) -> str:
-    plan = _plan(example, mesh_shape, axes, {"attention:*": attention}, batch)
+def _plan_json(example, mesh_shape, axes, attention: str, batch: int, variant="gather") -> str:
+    constraints = {"attention:*": attention, "context": variant}
+    plan = _plan(example, mesh_shape, axes, constraints, batch)
     cp = axes.index("cp")
+    keys = "S(2)" if variant == "ring" else "R"
     for name, choice in plan.nodes.items():
-        if name.startswith("sdpa"):  # the rows split over cp, as pinned
+        if name.startswith("sdpa"):  # the rows split over cp, as pinned; the keys per variant
             assert choice.out[0][cp] == "S(2)", (name, choice)
+            at = 1 if "backward" in name else 0
+            assert choice.ins[at + 1][cp] == keys, (name, choice)
     return plan.to_json(timings=True)
 
 
@@ -88,24 +98,24 @@ def _inner(edge: str) -> bool:
 
 
 def _case_id(case) -> str:
-    return f"{case[0]}-{'x'.join(map(str, case[1]))}"
+    return f"{case[0]}-{'x'.join(map(str, case[1]))}-{case[4]}"
 
 
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_context_parallel_step_equals_single_device(case):
-    example, mesh_shape, axes, attention = case
+    example, mesh_shape, axes, attention, variant = case
     batch = 2
-    plan_json = _plan_json(example, mesh_shape, axes, attention, batch)
+    plan_json = _plan_json(example, mesh_shape, axes, attention, batch, variant)
     reports = verify(example, mesh_shape, axes, plan_json=plan_json, batch=batch)
     plan = Plan.from_json(plan_json)
-    # the exchanges of balanced causal rows: the plan's (an edge from a node to itself)
-    # are those the step ran (gloo runs a reshard's all_to_all as an all_gather)
+    # the exchanges of balanced causal rows and the ring's shifts: the plan's (an edge from
+    # a node to itself) are those the step ran (gloo runs a reshard's all_to_all as an
+    # all_gather)
     exchanges = sum(1 for c in plan.collectives if _inner(c["edge"]))
     assert reports[0].ran.get(("all_to_all", "cp"), 0) == exchanges
-    assert (exchanges > 0) == (example != "bert")  # only causal rows are balanced
+    # only causal rows are balanced; a ring always shifts
+    assert (exchanges > 0) == (example != "bert" or variant == "ring")
     _check_numerics(reports)
-    # the keys and values were gathered over the rows' axis
-    assert any(kind == "all_gather" and axis == "cp" for kind, axis in reports[0].ran)
 
 
 # NOTE: 8 processes on a 3-axis mesh: the pinned attention needs reshards on two axes at

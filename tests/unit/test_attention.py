@@ -118,15 +118,19 @@ def test_sdpa_rule_offers_batch_and_heads():
     outs = {s.out[0] for s in space.strategies[name]}
     # batch on one axis, heads on the other, and both ways round
     assert (Shard(0), Shard(1)) in outs and (Shard(1), Shard(0)) in outs
-    # the sequence split: query rows on one axis, every key gathered there
+    # the sequence split: query rows on one axis, every key gathered there (all-gather
+    # K/V) or the keys split as the rows and passed around the ring
     assert (Shard(2), Shard(0)) in outs and (Shard(1), Shard(2)) in outs
+    kv_on_rows = set()
     for s in space.strategies[name]:
         for q, k, v in zip(s.ins[0], s.ins[1], s.ins[2]):
             if q == Shard(2):
-                assert k == v == Replicate()
+                assert k == v and k in (Replicate(), Shard(2))
+                kv_on_rows.add(k)
             else:
                 # q, k, v split alike: each rank keeps whole grouped-query groups
                 assert q == k == v
+    assert kv_on_rows == {Replicate(), Shard(2)}
 
 
 def _plan_llama(attn: str):
@@ -283,3 +287,126 @@ def test_position_ids_given_by_the_user_keep_the_packed_sequence_mask():
         calls = [n for n in step.gm.graph.nodes if n.target == SDPA]
     # packed sequences cannot be told from traced ids: the library's mask stays
     assert calls and all(n.args[3] is not None for n in calls)
+
+
+@pytest.mark.parametrize(
+    "q_at,k_at,causal,blocks",
+    [
+        (8, 0, False, [(0, 4, False)]),  # not causal: the whole block
+        (8, 0, True, [(0, 4, False)]),  # keys before the rows: every row sees them all
+        (8, 8, True, [(0, 4, True)]),  # the rows' own keys: the diagonal
+        (8, 12, True, []),  # keys after the rows: never read
+        (8, 6, True, [(0, 2, False), (2, 4, True)]),  # a prefix, then the diagonal's start
+    ],
+)
+def test_key_blocks_split_a_run_of_keys_at_the_diagonal(q_at, k_at, causal, blocks):
+    # rows [q_at, q_at + 4) against keys [k_at, k_at + 4), in the block's own indices
+    assert ops.key_blocks(q_at, 4, k_at, 4, causal) == blocks
+
+
+def test_key_blocks_refuse_a_block_that_cuts_the_diagonal_after_its_first_row():
+    # keys [10, 14) against rows [8, 12): the kernel's causal mask starts at the block's
+    # first key, which is not the rows' first
+    with pytest.raises(ValueError, match="cut the causal diagonal"):
+        ops.key_blocks(8, 4, 10, 4, True)
+
+
+@pytest.mark.parametrize("causal,kv", [(False, 4), (True, 4), (True, 2)])
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_ring_blocks_merged_online_equal_the_whole_attention(causal, kv, ranks):
+    # ring attention's arithmetic on one process (passes/codegen._Ring): each rank's rows
+    # against the key blocks in ring order, merged by log-sum-exp; the backward's per-block
+    # dk, dv summed into the block's owner
+    q, k, v = (t.detach() for t in _qkv(h=4, kv=kv, s=16, t=16))
+    out, lse = ops.sdpa(q, k, v, None, causal, 0.3)
+    grad = torch.randn_like(out)
+    dq, dk, dv = ops.sdpa_backward(grad, q, k, v, out, lse, None, causal, 0.3)
+    n = 16 // ranks
+    dk_ring, dv_ring = torch.zeros_like(k), torch.zeros_like(v)
+    for c in range(ranks):
+        rows = slice(c * n, (c + 1) * n)
+        acc = None
+        parts = []
+        for i in range(ranks):
+            j = (c - i) % ranks  # the block rank c holds at step i
+            for start, end, blk_causal in ops.key_blocks(c * n, n, j * n, n, causal):
+                keys = slice(j * n + start, j * n + end)
+                part = ops.sdpa(q[:, :, rows], k[:, :, keys], v[:, :, keys], None, blk_causal, 0.3)
+                acc = ops.merge_partial(acc, *part)
+                parts.append((keys, blk_causal))
+        assert acc is not None
+        o_c, lse_c = acc
+        torch.testing.assert_close(o_c, out[:, :, rows], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(lse_c, lse[:, :, rows], rtol=1e-12, atol=1e-12)
+        dq_c = torch.zeros_like(q[:, :, rows])
+        for keys, blk_causal in parts:
+            dq_b, dk_b, dv_b = ops.sdpa_backward(
+                grad[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys], o_c, lse_c,
+                None, blk_causal, 0.3,
+            )  # fmt: skip
+            dq_c += dq_b
+            dk_ring[:, :, keys] += dk_b
+            dv_ring[:, :, keys] += dv_b
+        torch.testing.assert_close(dq_c, dq[:, :, rows], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(dk_ring, dk, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(dv_ring, dv, rtol=1e-10, atol=1e-12)
+
+
+def test_merge_partial_accumulates_16_bit_blocks_in_the_lse_dtype():
+    q, k, v = (t.detach().to(torch.bfloat16) for t in _qkv(s=8, t=16))
+    a = ops.sdpa(q, k[:, :, :8], v[:, :, :8], None, False, 0.35)
+    b = ops.sdpa(q, k[:, :, 8:], v[:, :, 8:], None, False, 0.35)
+    acc_out, acc_lse = ops.merge_partial(ops.merge_partial(None, *a), *b)
+    assert acc_out.dtype == acc_lse.dtype == torch.float32
+    want, want_lse = ops.sdpa(q, k, v, None, False, 0.35)
+    torch.testing.assert_close(acc_out.to(torch.bfloat16), want, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(acc_lse, want_lse, rtol=1e-3, atol=1e-3)
+
+
+def test_after_is_a_copy_that_a_graph_keeps_with_its_held_input():
+    t, held = torch.randn(3), torch.randn(2)
+    out = ops.after(t, held)
+    assert torch.equal(out, t) and out.data_ptr() != t.data_ptr()
+    gm = torch.fx.experimental.proxy_tensor.make_fx(lambda a, h: ops.after(a, h) * 2)(t, held)
+    (node,) = [n for n in gm.graph.nodes if n.target == torch.ops.autopar.after.default]
+    assert [a.name for a in node.args] == [p.name for p in gm.graph.nodes if p.op == "placeholder"]
+
+
+def test_ring_steps_shift_keys_forward_and_gradients_backward():
+    from autopar.passes import rules
+
+    kv = (1, 2, 8, 4)  # local k: 8 positions, 2 heads of 4; v of 4 too
+    steps, tail = rules.ring_steps(SDPA, kv, 4, torch.bfloat16, axis=0, ranks=4)
+    # forward: n - 1 shifts of k and v (bf16), each priced as the buffer over the link
+    assert [len(s) for s in steps] == [1, 1, 1, 0] and tail == []
+    assert steps[0][0].nbytes == int(1 * 2 * 8 * 8 * 2 * 4 / 3)
+    steps, tail = rules.ring_steps(SDPA_BACKWARD, kv, 4, torch.bfloat16, axis=0, ranks=4)
+    # backward: k and v again, and the gradients' accumulator (float32) one step behind
+    assert [len(s) for s in steps] == [1, 2, 2, 1] and len(tail) == 1
+    assert tail[0].nbytes == 2 * steps[0][0].nbytes
+
+
+def test_context_variant_tells_ring_from_gather_by_the_keys():
+    from autopar.passes import rules
+
+    rows, whole, heads = (Shard(2),), (Replicate(),), (Shard(1),)
+    assert rules.context_variant(SDPA, (rows, whole, whole)) == "gather"
+    assert rules.context_variant(SDPA, (rows, rows, rows)) == "ring"
+    assert rules.context_variant(SDPA, (heads, heads, heads)) is None
+    # the ring's kernels are priced on every key, as the gathered ones
+    assert rules.keys_gathered(SDPA, (rows, rows, rows)) == (rows, whole, whole)
+
+
+def test_ring_time_hides_shifts_under_the_blocks_and_pays_the_tail():
+    from autopar.cost_models import collectives_time, get_profile
+    from autopar.passes import rules
+    from autopar.passes.solve import _ring_time
+
+    mesh, profile = autopar.Mesh((4,), ("cp",), device="h100"), get_profile("h100")
+    steps, tail = rules.ring_steps(SDPA_BACKWARD, (1, 8, 4096, 128), 128, torch.bfloat16, 0, 4)
+    shift = sum(collectives_time(s, mesh, profile) for s in steps)
+    last = collectives_time(tail, mesh, profile)
+    # kernels long enough: the shifts hide, the last one (home) does not
+    assert _ring_time(1.0, steps, tail, mesh, profile) == pytest.approx(1.0 + last)
+    # no compute: every shift is paid
+    assert _ring_time(0.0, steps, tail, mesh, profile) == pytest.approx(shift + last)

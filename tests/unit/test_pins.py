@@ -171,21 +171,48 @@ def test_constraints_that_cannot_hold_say_why(gpt, constraints, message):
         autopar.plan(model, MESH_4, inputs, constraints=constraints, memory_budget=math.inf, **kw)
 
 
-@pytest.mark.parametrize("text", ["S(2)", "S(1)"])
-def test_attention_pin_fixes_every_attention_node_forward_and_backward(text):
-    # "S(2)": the query rows split over the axis (context parallelism); "S(1)": the heads
+@pytest.mark.parametrize(
+    "text,context", [("S(2)", "gather"), ("S(2)", "ring"), ("S(1)", None)], ids=str
+)
+def test_attention_pin_fixes_every_attention_node_forward_and_backward(text, context):
+    # "S(2)": the query rows split over the axis (context parallelism), the keys gathered or
+    # passed around a ring; "S(1)": the heads
     model, inputs, kw = _gpt("hf-llama")
+    constraints = {"attention:*": text} | ({"context": context} if context else {})
     plan = autopar.plan(
-        model, Mesh((2,), ("cp",), device="h100"), inputs, constraints={"attention:*": text}, **kw
+        model, Mesh((2,), ("cp",), device="h100"), inputs, constraints=constraints, **kw
     )
     nodes = [n for n in plan.nodes if n.startswith("sdpa")]
     assert len(nodes) == 4  # two layers, forward and backward
     for n in nodes:
         assert plan.nodes[n].out[0] == (text,)
-    if text == "S(2)":  # every key gathered, each rank's share of their gradients summed
-        fwd, bwd = plan.nodes["sdpa"], plan.nodes["sdpa_backward"]
+    fwd, bwd = plan.nodes["sdpa"], plan.nodes["sdpa_backward"]
+    if context == "gather":  # every key gathered, each rank's share of their gradients summed
         assert fwd.ins[1] == fwd.ins[2] == ("R",)
         assert bwd.out[1] == bwd.out[2] == ("P(sum)",)
+    if context == "ring":  # the keys split as the rows; their gradients come home split
+        assert fwd.ins[1] == fwd.ins[2] == ("S(2)",)
+        assert bwd.out[1] == bwd.out[2] == ("S(2)",)
+    inner = [
+        c for c in plan.collectives if c["edge"] in ("sdpa->sdpa", "sdpa_backward->sdpa_backward")
+    ]
+    # causal rows split: three load-balancing exchanges forward and three backward (passes/
+    # rules); the ring adds its shifts: one of k and v forward, and backward one of k and v
+    # and two of their gradients (one in flight, the last one home)
+    assert len(inner) == {"gather": 6, "ring": 10, None: 0}[context], inner
+
+
+@pytest.mark.parametrize("value,message", [("zigzag", "'ring' or 'gather'")])
+def test_context_constraint_names_its_variants(value, message):
+    model, inputs, kw = _gpt("hf-llama")
+    with pytest.raises(ValueError, match=message):
+        autopar.plan(model, Mesh((2,), ("cp",)), inputs, constraints={"context": value}, **kw)
+
+
+def test_context_constraint_needs_a_fused_attention(gpt):
+    model, inputs, kw = gpt
+    with pytest.raises(ValueError, match="no fused attention"):
+        autopar.plan(model, MESH_4, inputs, constraints={"context": "ring"}, **kw)
 
 
 def test_attention_pin_needs_a_fused_attention(gpt):

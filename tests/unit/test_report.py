@@ -184,3 +184,32 @@ def test_cli_report_writes_the_page_and_the_trace(tmp_path, capsys):
     assert json.loads(trace.read_text())["traceEvents"]
     write_report(_golden("mlp-2x2-h100-mem0.5"), tmp_path / "only.html")
     assert (tmp_path / "only.html").exists() and not (tmp_path / "only.json").exists()
+
+
+def test_collectives_an_op_runs_inside_it_are_drawn_under_it_and_not_waited_for():
+    # a ring attention's shifts and balancing exchanges (edges "n->n") are in the node's
+    # cost_s already (passes/solve): the emitted step is compute plus the other collectives
+    import autopar
+    from autopar.verify import build_example
+
+    model, inputs, loss_fn, targets = build_example("hf-llama", batch=8)
+    meta = lambda ts: tuple(t.to("meta") for t in ts)  # noqa: E731
+    plan = autopar.plan(
+        model.to("meta"),
+        autopar.Mesh((2,), ("cp",), device="h100"),
+        meta(inputs),
+        loss_fn=loss_fn,
+        example_targets=meta(targets),
+        constraints={"attention:*": "S(2)", "context": "ring"},
+    )
+    spans = schedule(plan)
+    compute = {s.name: s for s in spans if s.stream == COMPUTE}
+    own = lambda edge: len(set(_ends(edge))) == 1  # noqa: E731
+    inside = [s for s in spans if s.stream == COMM and own(s.name)]
+    assert len(inside) == len([c for c in plan.collectives if own(c["edge"])]) > 0
+    for s in inside:
+        node = compute[_ends(s.name)[0]]
+        assert node.start_s <= s.start_s < node.end_s, s
+    outside = sum(c["time_s"] for c in plan.collectives if not own(c["edge"]))
+    total = sum(s.dur_s for s in compute.values()) + outside
+    assert step_length(spans) == pytest.approx(total, rel=1e-9)

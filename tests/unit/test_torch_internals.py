@@ -94,9 +94,18 @@ def test_op_schemas_say_what_aliases_and_what_writes():
 
 
 def test_functional_collectives_codegen_traces_exchanges_with():
-    # passes/codegen._Pair: the pairwise exchanges of load-balanced attention rows
+    # passes/codegen._Rows: the pairwise exchanges of load-balanced attention rows
     import torch.distributed._functional_collectives as funcol
 
     params = list(inspect.signature(funcol.all_to_all_single).parameters)
     assert params[:4] == ["self", "output_split_sizes", "input_split_sizes", "group"]
     assert callable(funcol.wait_tensor)
+
+
+def test_functional_collective_ops_ring_attention_issues_and_waits_apart():
+    # passes/codegen._Ring calls the ops under funcol itself, so that a shift's wait can
+    # come after the step's kernels (funcol waits where it issues, under tracing)
+    c10d = torch.ops._c10d_functional
+    args = [a.name for a in c10d.all_to_all_single.default._schema.arguments]
+    assert args == ["input", "output_split_sizes", "input_split_sizes", "group_name"]
+    assert [a.name for a in c10d.wait_tensor.default._schema.arguments] == ["tensor"]
