@@ -1,7 +1,7 @@
 """Long-context Llama-3-8B: does a plan split the sequence, does it fit, is it fastest?
 
     python benchmarks/long_context.py [--seqs 8192,32768,131072] [--meshes 8,8x8]
-        [--device h100] [--memory-gib G] [--check]
+        [--device h100] [--memory-gib G] [--variants] [--check]
 
 Llama-3-8B's shapes (``autopar.models.llama3_8b``, from the meta device), one sequence per
 step (batch 1: no data parallelism to be had), bf16 mixed precision (float32 parameters and
@@ -10,10 +10,14 @@ usable memory per rank (about 80 GB on an H100) unless ``--memory-gib``.
 
 For each length and mesh it plans twice:
     autopar             the solver's free choice; "rows split over" names the mesh axes over
-                        which attention's query rows are split (context parallelism, every
-                        key and value all-gathered there: passes/rules, ``sequence``), "-"
-                        when none; "split along the sequence" says whether any activation
-                        is (context, Megatron or Ulysses-style sequence parallelism);
+                        which attention's query rows are split (context parallelism), "-"
+                        when none, and "variant" how those rows see every key: ``gather``
+                        (keys and values all-gathered, passes/rules ``sequence``) or
+                        ``ring`` (ring attention, passes/rules ``ring``); "split along the
+                        sequence" says whether any activation is (context, Megatron or
+                        Ulysses-style sequence parallelism);
+    ring / gather       with ``--variants``: the solver's choice with the variant pinned
+                        (``{"context": ...}``), each variant's best plan priced side by side;
     no sequence split   the best plan that splits no tensor along the sequence
                         (``{"sequence": "none"}``, passes/pins): data, tensor and parameter
                         sharding only; or "does not fit".
@@ -68,6 +72,15 @@ def _row_axes(plan, mesh: autopar.Mesh) -> str:
     return ",".join(axes) or "-"
 
 
+def _variant(plan) -> str:
+    """``ring`` or ``gather`` where attention's query rows are split, else "-"."""
+    ins = plan.nodes["sdpa"].ins
+    rows = [i for i, p in enumerate(ins[0]) if p == "S(2)"]
+    if not rows:
+        return "-"
+    return "ring" if ins[1][rows[0]] == "S(2)" else "gather"
+
+
 def _attention(plan) -> str:
     return "(" + ", ".join(plan.nodes["sdpa"].out[0]) + ")"
 
@@ -110,6 +123,7 @@ def main() -> int:
     ap.add_argument("--meshes", default="8,8x8")
     ap.add_argument("--device", default="h100")
     ap.add_argument("--memory-gib", type=float, default=None)
+    ap.add_argument("--variants", action="store_true")
     ap.add_argument("--check", action="store_true")
     args = ap.parse_args()
     budget = None if args.memory_gib is None else args.memory_gib * 2**30
@@ -123,6 +137,7 @@ def main() -> int:
             "plan",
             "attention",
             "rows split over",
+            "variant",
             "split along the sequence",
             "fits",
             "est. step ms",
@@ -142,10 +157,16 @@ def main() -> int:
             mine, wall = _plan(seq, mesh, budget)
             base, base_wall = _plan(seq, mesh, budget, {"sequence": "none"})
             base_s = None if base is None else base.cost["total_s"]
-            for label, plan, w in (("autopar", mine, wall), ("no sequence split", base, base_wall)):
+            rows = [("autopar", mine, wall)]
+            if args.variants:
+                for v in ("ring", "gather"):
+                    rows.append((v, *_plan(seq, mesh, budget, {"context": v})))
+            rows.append(("no sequence split", base, base_wall))
+            for label, plan, w in rows:
                 if plan is None:
                     print(
-                        f"| {seq} | {text} | {label} | - | - | - | does not fit | - | - | {w:.1f} | |"
+                        f"| {seq} | {text} | {label} | - | - | - | - | does not fit | - | - "
+                        f"| {w:.1f} | |"
                     )
                     continue
                 ratio = ""
@@ -153,6 +174,7 @@ def main() -> int:
                     ratio = f"{base_s / mine.cost['total_s']:.2f}" if base_s else "no other fits"
                 print(
                     f"| {seq} | {text} | {label} | {_attention(plan)} | {_row_axes(plan, mesh)} "
+                    f"| {_variant(plan)} "
                     f"| {'yes' if _splits_sequence(plan, shapes, seq) else 'no'} | yes "
                     f"| {plan.cost['total_s'] * 1e3:.0f} "
                     f"| {plan.memory['step']['peak_bytes'] / 2**30:.1f} | {w:.1f} | {ratio} |",

@@ -396,7 +396,8 @@ class _Localizer(torch.fx.Interpreter):
             grad_out, q, k, v, out, lse, mask, _, scale = args
         if split.partner != split.me and mask is not None and mask.shape[-2] > 1:
             raise NotImplementedError("load-balanced causal rows with a mask of rows")
-        if rules.context_variant(target, [p for p, _ in placed]) == "ring":
+        # (a ring of one holds every key: run as gathered)
+        if ranks > 1 and rules.context_variant(target, [p for p, _ in placed]) == "ring":
             overlap = self.dmesh.device_type != "cpu"
             ring = _Ring(coordinate[axis], ranks, group, k.shape[2], mask, causal, scale, overlap)
             if forward:

@@ -333,6 +333,8 @@ def _ring_steps(
         return None
     at = rules.ATTENTION_Q[target]
     (axis,) = rules.sequence_axes(s.ins[at])
+    if space.mesh.shape[axis] == 1:  # a ring of one: every key at home, nothing shifts
+        return None
     k_shape, dtype = space.tensor(*space.in_sources[name][at + 1])
     v_shape, _ = space.tensor(*space.in_sources[name][at + 2])
     local_k = local_shape(k_shape, s.ins[at + 1], space.mesh.shape)
