@@ -341,7 +341,7 @@ def _verify_and_print(args, out: Output) -> int:
         f"max relative parameter error after {args.steps} steps: {r.param_rel_err:.1e}{worst_param}"
     )
     print(f"collectives per step, planned: {r.predicted}")
-    print(f"collectives per step, compiled: {r.ran}")
+    print(f"collectives per step, ran: {r.ran}")
     print(
         f"OK: matches the single-device model (tolerance {tol:.0e})"
         if ok

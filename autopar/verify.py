@@ -59,7 +59,9 @@ class VerifyReport:
         grad_rel_err: max over parameters of ||g_par - g_ref|| / ||g_ref|| (first step;
             see ``_rel_errors`` for the floor under ||g_ref||).
         param_rel_err: the same for the parameters after the optimizer steps.
-        predicted / ran: collective counts the plan predicts and that the compiled graph runs.
+        predicted / ran: collective counts the plan predicts and that the compiled step ran,
+            counted as its first step ran (``CollectiveBytes``: what the partitioned forward
+            and backward run, not only what the local graph holds).
         predicted_bytes / ran_bytes: the bytes of those collectives, by kind and axis, as
             the plan prices them and as counted while the first step ran
             (``CollectiveBytes``).
@@ -423,7 +425,7 @@ def verify_rank(
         worst_grad=worst_grad,
         worst_param=worst_param,
         predicted=pm.plan.collective_counts(),
-        ran=pm.collective_counts(),
+        ran=dict(sorted(counted.counts.items())),
         predicted_bytes=pm.plan.collective_bytes(),
         ran_bytes=counted.bytes,
         mismatches=pm.mismatches,

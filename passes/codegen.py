@@ -93,6 +93,7 @@ __all__ = [
     "codegen",
     "compile_local_step",
     "count_collectives",
+    "keep_forward_collectives",
 ]
 
 
@@ -509,6 +510,37 @@ def build_local_graph(step: StepGraph, plan: Plan, dmesh) -> LocalStep:
     return LocalStep(gm=gm, mismatches=interp.mismatches)
 
 
+def keep_forward_collectives(gm: torch.fx.GraphModule) -> None:
+    """Tag each collective of the forward ``must_be_in_forward``, so that the partitioned
+    backward never runs it again.
+
+    aot_autograd's default partition copies into the backward every node it can compute
+    from the saved values, then drops the dead ones; but its first pass keeps a dead
+    ``wait_tensor`` (impure), and its second keeps every dead node that is not a collective.
+    A forward collective whose input the backward can rebuild (a load-balanced attention's
+    swap of q, from the saved q) thus ran twice, with the attention kernel between: the
+    compiled step ran more collectives and kernels than the local graph and the plan hold.
+    A node tagged so cannot be copied into the backward, nor anything after it; what the
+    backward reads of it is saved (the partitioner saves every forward collective).
+
+    NOTE: ``partitioner_tag`` is aot_autograd's node-meta key for this, with no public API
+    (tests/unit/test_torch_internals.py fails if the partitioner stops reading it)."""
+    nodes = list(gm.graph.nodes)
+    forward = [i for i, n in enumerate(nodes) if n.meta.get("partitioner_tag") == "is_forward"]
+    if not forward:
+        return
+    for n in nodes[: forward[-1]]:  # (the last forward node keeps its tag: it ends the forward)
+        target = n.target
+        if (
+            n.op == "call_function"
+            and isinstance(target, torch._ops.OpOverload)
+            and target.namespace == "_c10d_functional"
+            and target is not torch.ops._c10d_functional.wait_tensor.default
+            and n.meta.get("partitioner_tag") == "is_forward"
+        ):
+            n.meta["partitioner_tag"] = "must_be_in_forward"
+
+
 def compile_local_step(step: StepGraph, local: LocalStep):
     """Swap the local graph into aot_autograd's joint and compile forward and backward.
 
@@ -519,6 +551,7 @@ def compile_local_step(step: StepGraph, local: LocalStep):
     """
     jd = step.joint
     gm = local.gm
+    keep_forward_collectives(gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     new_args = [n.meta["val"] for n in placeholders]
     jd.graph_module = gm

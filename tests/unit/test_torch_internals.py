@@ -109,3 +109,17 @@ def test_functional_collective_ops_ring_attention_issues_and_waits_apart():
     args = [a.name for a in c10d.all_to_all_single.default._schema.arguments]
     assert args == ["input", "output_split_sizes", "input_split_sizes", "group_name"]
     assert [a.name for a in c10d.wait_tensor.default._schema.arguments] == ["tensor"]
+
+
+def test_partitioner_keeps_a_node_tagged_must_be_in_forward_out_of_the_backward():
+    # passes/codegen.keep_forward_collectives: the tag aot_autograd's partitioner reads
+    from torch._functorch import partitioners
+
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    n = g.call_function(torch.ops.aten.relu.default, (x,))
+    assert not partitioners._must_be_in_forward(n)
+    n.meta["partitioner_tag"] = "must_be_in_forward"
+    assert partitioners._must_be_in_forward(n)
+    n.meta["partitioner_tag"] = "is_forward"
+    assert partitioners._has_tag_is_forward(n)
