@@ -93,7 +93,7 @@ __all__ = [
     "codegen",
     "compile_local_step",
     "count_collectives",
-    "keep_forward_collectives",
+    "pin_collectives",
 ]
 
 
@@ -510,18 +510,21 @@ def build_local_graph(step: StepGraph, plan: Plan, dmesh) -> LocalStep:
     return LocalStep(gm=gm, mismatches=interp.mismatches)
 
 
-def keep_forward_collectives(gm: torch.fx.GraphModule) -> None:
-    """Tag each collective of the forward ``must_be_in_forward``, so that the partitioned
-    backward never runs it again.
+def pin_collectives(gm: torch.fx.GraphModule) -> None:
+    """Tag each collective ``must_be_in_forward`` or ``must_be_in_backward``, by where the
+    local graph runs it, so that the partitioned graphs run each one once, where it is.
 
-    aot_autograd's default partition copies into the backward every node it can compute
-    from the saved values, then drops the dead ones; but its first pass keeps a dead
+    aot_autograd's default partition builds each graph by copying every node it can compute
+    from that graph's inputs, then drops the dead ones; but its first pass keeps a dead
     ``wait_tensor`` (impure), and its second keeps every dead node that is not a collective.
-    A forward collective whose input the backward can rebuild (a load-balanced attention's
-    swap of q, from the saved q) thus ran twice, with the attention kernel between: the
-    compiled step ran more collectives and kernels than the local graph and the plan hold.
-    A node tagged so cannot be copied into the backward, nor anything after it; what the
-    backward reads of it is saved (the partitioner saves every forward collective).
+    So a collective ran twice wherever the other graph could compute its input:
+      - a forward collective in the backward, rebuilt from saved values (a load-balanced
+        attention's swap of q from the saved q, with the attention kernel after it;
+        qwen2-moe's all-gathers before its experts);
+      - a backward collective that reads no gradient in the forward (a ring attention's
+        backward shifts of the keys, rebuilt from the weights).
+    A tagged node cannot be copied into the other graph, nor anything after it; what the
+    backward reads of a forward collective is saved (the partitioner saves each one).
 
     NOTE: ``partitioner_tag`` is aot_autograd's node-meta key for this, with no public API
     (tests/unit/test_torch_internals.py fails if the partitioner stops reading it)."""
@@ -529,16 +532,23 @@ def keep_forward_collectives(gm: torch.fx.GraphModule) -> None:
     forward = [i for i, n in enumerate(nodes) if n.meta.get("partitioner_tag") == "is_forward"]
     if not forward:
         return
-    for n in nodes[: forward[-1]]:  # (the last forward node keeps its tag: it ends the forward)
+    last = forward[-1]  # (it keeps its tag: the partitioner ends the forward there)
+    for i, n in enumerate(nodes):
         target = n.target
         if (
-            n.op == "call_function"
-            and isinstance(target, torch._ops.OpOverload)
-            and target.namespace == "_c10d_functional"
-            and target is not torch.ops._c10d_functional.wait_tensor.default
-            and n.meta.get("partitioner_tag") == "is_forward"
+            n.op != "call_function"
+            or not isinstance(target, torch._ops.OpOverload)
+            or target.namespace != "_c10d_functional"
+            or target is torch.ops._c10d_functional.wait_tensor.default
         ):
+            continue
+        tag = n.meta.get("partitioner_tag")
+        if i < last and tag == "is_forward":
             n.meta["partitioner_tag"] = "must_be_in_forward"
+        elif i > last and tag == "is_backward":
+            # (not the untagged collectives at the graph's end: the loss's, which the
+            # forward returns, is one)
+            n.meta["partitioner_tag"] = "must_be_in_backward"
 
 
 def compile_local_step(step: StepGraph, local: LocalStep):
@@ -551,7 +561,7 @@ def compile_local_step(step: StepGraph, local: LocalStep):
     """
     jd = step.joint
     gm = local.gm
-    keep_forward_collectives(gm)
+    pin_collectives(gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     new_args = [n.meta["val"] for n in placeholders]
     jd.graph_module = gm

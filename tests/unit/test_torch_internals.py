@@ -111,8 +111,8 @@ def test_functional_collective_ops_ring_attention_issues_and_waits_apart():
     assert [a.name for a in c10d.wait_tensor.default._schema.arguments] == ["tensor"]
 
 
-def test_partitioner_keeps_a_node_tagged_must_be_in_forward_out_of_the_backward():
-    # passes/codegen.keep_forward_collectives: the tag aot_autograd's partitioner reads
+def test_partitioner_keeps_nodes_tagged_must_be_in_forward_or_backward_where_they_are():
+    # passes/codegen.pin_collectives: the tags aot_autograd's partitioner reads
     from torch._functorch import partitioners
 
     g = torch.fx.Graph()
@@ -121,5 +121,8 @@ def test_partitioner_keeps_a_node_tagged_must_be_in_forward_out_of_the_backward(
     assert not partitioners._must_be_in_forward(n)
     n.meta["partitioner_tag"] = "must_be_in_forward"
     assert partitioners._must_be_in_forward(n)
+    assert not partitioners._must_be_in_backward(n)
+    n.meta["partitioner_tag"] = "must_be_in_backward"
+    assert partitioners._must_be_in_backward(n)
     n.meta["partitioner_tag"] = "is_forward"
     assert partitioners._has_tag_is_forward(n)
