@@ -116,6 +116,11 @@ class DeviceProfile:
     """Algorithms the collective library picks from for an all-reduce, the fastest for each
     size (NCCL: ring and tree; gloo: ring); see ``comm.collective_time``."""
 
+    overlaps_collectives: bool = True
+    """Whether the emitted step can run a collective while kernels run (CUDA: NCCL on its
+    own stream). passes/codegen overlaps a ring attention's shifts with its blocks only
+    there; gloo on CPU is waited for at once, and passes/solve prices it so."""
+
     def __post_init__(self):
         names = [n for n, _ in self.peak_flops]
         if len(set(names)) != len(names):
@@ -215,6 +220,9 @@ class DeviceProfile:
             for k, t, curve in d.get("kernel_rates", ())
         )
         d["all_reduce_algorithms"] = tuple(d.get("all_reduce_algorithms", ("ring",)))
+        # a profile written before the field: a CPU one (``autopar calibrate`` names it
+        # ``cpu-<host>``) ran on gloo
+        d.setdefault("overlaps_collectives", not str(d["name"]).startswith("cpu"))
         return cls(**d)
 
 
@@ -336,6 +344,7 @@ PROFILES: dict[str, DeviceProfile] = {
         inter_node_bandwidth=1.25e9,  # 10 Gb/s
         kernel_launch=2e-6,  # eager dispatch of a tiny CPU op, measured ~1.3 us
         source=_CPU_SOURCE,
+        overlaps_collectives=False,  # gloo: passes/codegen waits for each at once
     ),
 }
 

@@ -42,7 +42,10 @@ At the graph outputs the loss is redistributed to Replicate, each gradient to it
 parameter's placement. Nothing is done when the plan replicates everything (the local graph
 is then the global graph, plus nothing).
 
-The compiled forward and backward graphs are kept in ``CompiledStep.graphs``.
+The compiled forward and backward graphs are kept in ``CompiledStep.graphs``. Before
+aot_autograd partitions the local graph, each collective is pinned to the graph that holds
+it (``pin_collectives``): its default partition would otherwise run a collective twice
+wherever the other graph can rebuild its input, so that the step ran more than the plan.
 
 NOTE: the gradient reductions stay at the graph's end, each waited for at once. Issuing
 each right after its gradient, its wait left at the end, overlapped them with the backward

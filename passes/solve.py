@@ -47,6 +47,9 @@ shifts in flight during step i of n (``rules.ring_steps``),
 
     C = sum_i max(c / n, m_i) + m_tail        (``_ring_time``)
 
+where the step can overlap them (``DeviceProfile.overlaps_collectives``: CUDA), and
+C = c + sum_i m_i + m_tail where each is waited for at once (gloo on CPU, as codegen emits it).
+
 ``R(p, q)`` the alpha-beta time
 of the collectives that redistribute the tensor from p to q
 (``cost_models.comm.redistribute_time``, in ``_edge_cost``). Graph outputs are edges into
@@ -352,8 +355,10 @@ def _ring_time(
     its kernels (``compute_s`` / n, the blocks alike) and the shifts in flight, then the
     shifts after the last step."""
     block = compute_s / len(steps)
-    shifts = sum(max(block, collectives_time(step, mesh, profile)) for step in steps)
-    return shifts + collectives_time(tail, mesh, profile)
+    times = [collectives_time(step, mesh, profile) for step in steps]
+    if not profile.overlaps_collectives:  # each shift waited for at once (gloo)
+        return compute_s + sum(times) + collectives_time(tail, mesh, profile)
+    return sum(max(block, t) for t in times) + collectives_time(tail, mesh, profile)
 
 
 @contextlib.contextmanager

@@ -410,3 +410,8 @@ def test_ring_time_hides_shifts_under_the_blocks_and_pays_the_tail():
     assert _ring_time(1.0, steps, tail, mesh, profile) == pytest.approx(1.0 + last)
     # no compute: every shift is paid
     assert _ring_time(0.0, steps, tail, mesh, profile) == pytest.approx(shift + last)
+    # gloo waits for each shift at once (passes/codegen): nothing hides
+    cpu = autopar.Mesh((4,), ("cp",), device="cpu")
+    serial = sum(collectives_time(s, cpu, get_profile("cpu")) for s in [*steps, tail])
+    got = _ring_time(1.0, steps, tail, cpu, get_profile("cpu"))
+    assert got == pytest.approx(1.0 + serial)
