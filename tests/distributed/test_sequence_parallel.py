@@ -1,9 +1,10 @@
 """Sequence and context parallelism on gloo, each equal to the single-device model in float64.
 
-Context parallelism: attention with its query rows split over a mesh axis
-(passes/rules, ``sequence``; every key and value all-gathered there, their gradients summed
-back) equals the single-device model in float64: loss of every step, every gradient, every
-parameter after 3 AdamW steps.
+Context parallelism: attention with its query rows split over a mesh axis, every key and
+value all-gathered there, their gradients summed back (passes/rules, ``sequence``), or the
+keys split as the rows and passed around a ring (``ring``), equals the single-device model
+in float64: loss of every step, every gradient, every parameter after 3 AdamW steps. So do
+tokens, labels, rotary positions and logits split along the sequence.
 
 The attention is pinned (``{"attention:*": ...}``, passes/pins) so that the split under test
 is the one run whatever the solver would have chosen for these small models; the solver
@@ -118,6 +119,24 @@ def test_context_parallel_step_equals_single_device(case):
     assert reports[0].ran.get(("all_to_all", "cp"), 0) == exchanges
     # only causal rows are balanced; a ring always shifts
     assert (exchanges > 0) == (example != "bert" or variant == "ring")
+    _check_numerics(reports)
+
+
+def test_tokens_labels_positions_and_logits_split_along_the_sequence_equal_single_device():
+    # one sequence (no batch to split): the tokens and labels pinned along the sequence, the
+    # rotary positions and the logits split with them, attention on a ring
+    constraints = {
+        "input:*": "S(1)",
+        "attention:*": "S(2)",
+        "context": "ring",
+        "output:lm_head": "S(1)",
+    }
+    plan = _plan("hf-llama", (2,), ("cp",), constraints, batch=1)
+    assert {plan.nodes[n].out[0] for n in plan.inputs} == {("S(1)",)}
+    for op in ("aten.embedding.default", "aten.cos.default", "aten.sin.default"):
+        outs = {c.out[0] for c in plan.nodes.values() if c.op == op}
+        assert outs == {("S(1)",)}, (op, outs)
+    reports = verify("hf-llama", (2,), ("cp",), plan_json=plan.to_json(timings=True), batch=1)
     _check_numerics(reports)
 
 
