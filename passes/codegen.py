@@ -211,6 +211,8 @@ class _Ring:
 
     def _send(self, t: torch.Tensor):
         """Start sending ``t`` to the next rank (and receiving the previous rank's)."""
+        # (unlike ``_Rows.swap``'s kernel outputs, ``t`` is made by ``cat``, ``add`` or a
+        # received view here: contiguous when the step runs as when it was traced)
         flat = t.contiguous().view(-1)
         n = flat.numel()
         ins = [n if r else 0 for r in self.to]

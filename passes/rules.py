@@ -28,14 +28,15 @@ out [B, H, S, E], lse [B, H, S], mask broadcastable to [B, H, S, T]:
                  the keys and values of the same positions, passed around the axis (ring
                  attention, passes/codegen): in n steps, at step i rank c computes its rows
                  against the block of rank c - i (mod n) while the block it holds travels on
-                 to rank c + 1 (sent before the step's kernels, waited for after them:
-                 overlapped). The backward passes the blocks around again, and with each an
+                 to rank c + 1 (on CUDA sent before the step's kernels and waited for
+                 after them: overlapped; on gloo waited for at once). The backward passes the blocks around again, and with each an
                  accumulator of its keys' and values' gradients (in the lse's dtype: float32
                  for 16-bit inputs), to which each rank adds its rows' share and sends on, one
                  step behind the block; after n steps each accumulator is home, so dk and dv
                  are Shard(2) with no reduction after. ``ring_steps`` lists the shifts in
                  flight during each step: passes/solve prices a step as the longer of its
-                 kernels and its shifts, the backward's last shift after (nothing overlaps it).
+                 kernels and its shifts, the backward's last shift after (nothing overlaps it),
+                 or as their sum where the profile does not overlap collectives (gloo).
                  Unlike ``sequence`` no rank ever holds every key: the choice for contexts
                  whose keys and values do not fit whole, or whose gather would not hide.
 

@@ -353,7 +353,8 @@ def _ring_time(
 ) -> float:
     """A ring attention's time (passes/rules, ``ring``): each of its n steps the longer of
     its kernels (``compute_s`` / n, the blocks alike) and the shifts in flight, then the
-    shifts after the last step."""
+    shifts after the last step; kernels plus every shift where the profile does not overlap
+    collectives (gloo waits for each at once)."""
     block = compute_s / len(steps)
     times = [collectives_time(step, mesh, profile) for step in steps]
     if not profile.overlaps_collectives:  # each shift waited for at once (gloo)
