@@ -34,6 +34,7 @@ from .cost_models import DeviceProfile, devices, register_profile
 from .passes.pins import Pin
 from .passes.pipeline import (
     COMPILE_STAGES,
+    DEFAULT_BUCKET_BYTES,
     PLAN_STAGES,
     REPORT_STAGES,
     TRACE,
@@ -71,8 +72,10 @@ def _options(
     forbid=(),
     constraints=None,
     pins=(),
+    bucket_mb: float = DEFAULT_BUCKET_BYTES / 2**20,
 ) -> PlanOptions:
     return PlanOptions(
+        bucket_bytes=bucket_mb * 2**20,
         constraints=_constraints(constraints),
         pins=tuple(pins),
         time_limit_s=time_limit_s,
@@ -143,6 +146,8 @@ def _search(step: StepGraph, mesh: Mesh, options: PlanOptions, stats: dict | Non
     plan, report = state["plan"], state["memory"]
     if report is not None:
         plan.memory["step"] = report.to_dict()
+    if "objective_s" in plan.cost:  # bucketed: the step as emitted, in the order it runs
+        plan.cost["total_s"] = plan.emitted_step_s()
     return plan
 
 
@@ -200,6 +205,7 @@ def plan(
     forbid=(),
     fingerprint: str | None = None,
     constraints=None,
+    bucket_mb: float = DEFAULT_BUCKET_BYTES / 2**20,
 ) -> Plan:
     """Plan ``model`` for ``mesh`` without processes or weights (a meta model works).
 
@@ -228,6 +234,9 @@ def plan(
     ``"input:N"``, the N-th input, then the targets) and one torch placement per mesh axis,
     or their text (``{"layers.*.wq.weight": (Replicate(), Shard(0)), "input:0": "S(0),R"}``;
     passes/pins; ``autopar.experts`` has the usual ones); the solver chooses the rest.
+    ``bucket_mb``: the gradients all-reduced over one axis go in buckets of about this many
+    MiB, each issued once its last gradient is made (passes/buckets; DDP's default 25);
+    ``skip={"buckets"}`` reduces each gradient alone at the backward's end.
     """
     if not isinstance(mesh, Mesh):
         raise TypeError(
@@ -244,6 +253,7 @@ def plan(
         checkpointing,
         forbid,
         constraints,
+        bucket_mb=bucket_mb,
     )
     return _plan(model, mesh, example_inputs, loss_fn, example_targets, options, mp_policy,
                  cache=cache, fingerprint=fingerprint)  # fmt: skip
@@ -401,6 +411,7 @@ def compile(  # noqa: A001 - the documented name
     skip=(),
     init_weights: Callable[[nn.Module], None] | None = None,
     checkpoint: str | Path | None = None,
+    bucket_mb: float = DEFAULT_BUCKET_BYTES / 2**20,
 ) -> ParallelModule:
     """Plan ``model`` for the torch ``DeviceMesh`` ``mesh`` and return a ``ParallelModule``.
 
@@ -408,7 +419,7 @@ def compile(  # noqa: A001 - the documented name
     ``pm(*local_inputs, *local_targets)`` returns the global loss on every rank; without it,
     ``pm(*local_inputs)`` returns the outputs of the local batch. ``plan`` (a ``Plan`` or the
     path of its JSON) skips planning. ``device`` names the cost profile (default: h100 on
-    cuda, cpu otherwise). ``memory_budget``, ``memory_fraction``, ``optimizer``, ``checkpointing``,
+    cuda, cpu otherwise). ``memory_budget``, ``memory_fraction``, ``optimizer``, ``checkpointing``, ``bucket_mb``,
     ``mp_policy``, ``fold``, ``skip``: as in ``plan`` (the parameters stay float32 DTensors;
     ``pm`` computes in ``mp_policy.param_dtype``). The codegen stage's time and size are
     in ``pm.stats``.
@@ -430,8 +441,9 @@ def compile(  # noqa: A001 - the documented name
         raise ValueError("pass init_weights or checkpoint, not both")
     amesh = Mesh.from_device_mesh(mesh, device)
     options = _options(
-        time_limit_s, memory_budget, fold, skip, optimizer, memory_fraction, checkpointing
-    )
+        time_limit_s, memory_budget, fold, skip, optimizer, memory_fraction, checkpointing,
+        bucket_mb=bucket_mb,
+    )  # fmt: skip
     if isinstance(plan, (str, Path)):
         plan = Plan.load(plan)
     if plan is not None:

@@ -40,18 +40,24 @@ plan's order, passes/order), and
 
 At the graph outputs the loss is redistributed to Replicate, each gradient to its
 parameter's placement. Nothing is done when the plan replicates everything (the local graph
-is then the global graph, plus nothing).
+is then the global graph, plus nothing). The gradients the plan buckets (passes/buckets)
+are reduced earlier: right after the node that makes a bucket's last gradient, its members
+are flattened into one tensor and all-reduced (``_issue``), and each output is a view of
+the result (``_bucketed``). On CUDA the wait is at the graph's end, so the bucket overlaps
+the rest of the backward; on gloo it is waited for at once, one collective in flight per
+group as with the ring's shifts.
 
 The compiled forward and backward graphs are kept in ``CompiledStep.graphs``. Before
 aot_autograd partitions the local graph, each collective is pinned to the graph that holds
 it (``pin_collectives``): its default partition would otherwise run a collective twice
 wherever the other graph can rebuild its input, so that the step ran more than the plan.
 
-NOTE: the gradient reductions stay at the graph's end, each waited for at once. Issuing
-each right after its gradient, its wait left at the end, overlapped them with the backward
-and passed every test here, but one CI run on gloo (the LSTM zoo case, under load) died of
-heap corruption ("malloc(): unaligned tcache chunk") with 6 collectives in flight; it is
-left out until that is understood.
+NOTE: an earlier version issued each gradient's reduction right after it with every wait
+at the end, on gloo too; one CI run (the LSTM zoo case, under load) died of heap corruption
+("malloc(): unaligned tcache chunk") with 6 collectives in flight on one gloo group. gloo
+runs the collectives in flight on one group on several threads, and two in flight to one
+peer can mix their messages (``_Ring``); so on gloo a bucket is waited for where it is
+issued.
 """
 
 from __future__ import annotations
@@ -311,6 +317,17 @@ class _Localizer(torch.fx.Interpreter):
         self.mismatches: list[str] = []
         self.rep = (Replicate(),) * dmesh.ndim
         self.param_nodes = {n: name for name, n in plan.params.items()}
+        # gradient buckets (passes/buckets): issued after the node that makes the last
+        # gradient, each output position then read from its bucket
+        self.buckets: dict[str, list[dict]] = {}
+        for c in plan.collectives:
+            if "bucket" in c:
+                src = c["edge"].partition("->")[0]
+                self.buckets.setdefault(src, []).append(c)
+        self.reduced: dict[int, tuple] = {}  # output position -> (bucket, offset, numel)
+        self.pending: dict[int, torch.Tensor] = {}  # bucket -> its all-reduce, not waited for
+        self.done: dict[int, torch.Tensor] = {}  # bucket -> its reduced flat tensor
+        self.overlap = dmesh.device_type != "cpu"
 
     def _choice(self, name):
         return self.plan.nodes[self.copy_of.get(name, name)]
@@ -331,7 +348,52 @@ class _Localizer(torch.fx.Interpreter):
 
     def run_node(self, n):
         self._node = n
-        return super().run_node(n)
+        out = super().run_node(n)
+        for bucket in self.buckets.get(n.name, ()):
+            self._issue(bucket, n, out)
+        return out
+
+    def _issue(self, bucket: dict, node, value) -> None:
+        """One bucket of gradient all-reduces (passes/buckets): the members flattened into
+        one tensor, all-reduced over the bucket's axis; on gloo waited for at once (two
+        collectives in flight on one gloo group can mix their messages, ``_Ring``), else
+        at the step's end."""
+        outputs = next(n for n in self.graph.nodes if n.op == "output").args[0]
+        positions = [int(p) for p in bucket["edge"].partition("[")[2].partition("]")[0].split(",")]
+        axis = self.plan.mesh.axis_names.index(bucket["axis"])
+        flat, offset = [], 0
+        for pos in positions:
+            src = outputs[pos]
+            t = value if src is node else self.env[src]
+            src_ps = self.placed[src.name][0]
+            want = self._ps(self.plan.output_placements[pos])
+            changed = [d for d in range(len(want)) if src_ps[d] != want[d]]
+            if changed != [axis] or not src_ps[axis].is_partial():
+                raise RuntimeError(
+                    f"bucket {bucket['bucket']}: output {pos} ({src.name}) is {src_ps}, to "
+                    f"leave as {want}; the plan bucketed it as one all-reduce over "
+                    f"{bucket['axis']}"
+                )
+            flat.append(t.reshape(-1))
+            self.reduced[pos] = (bucket["bucket"], offset, t.numel())
+            offset += t.numel()
+        group = self.dmesh.get_group(axis).group_name
+        c10d = torch.ops._c10d_functional
+        # (one member: its own flat view, or a copy where it is not contiguous)
+        handle = c10d.all_reduce(torch.cat(flat) if len(flat) > 1 else flat[0], bucket["op"], group)
+        if self.overlap:
+            self.pending[bucket["bucket"]] = handle
+        else:
+            self.done[bucket["bucket"]] = c10d.wait_tensor(handle)
+
+    def _bucketed(self, pos: int, local: torch.Tensor, val) -> torch.Tensor:
+        """Output ``pos``'s reduced gradient (``local`` before it): a view of its bucket's
+        reduced tensor."""
+        k, offset, numel = self.reduced[pos]
+        if k not in self.done:
+            self.done[k] = torch.ops._c10d_functional.wait_tensor(self.pending.pop(k))
+        out = self.done[k].narrow(0, offset, numel).view(local.shape)
+        return ops.in_layout_of(out, val)
 
     def placeholder(self, target, args, kwargs):
         out = super().placeholder(target, args, kwargs)
@@ -477,6 +539,9 @@ class _Localizer(torch.fx.Interpreter):
         for pos, (a, v) in enumerate(zip(node.args[0], outs)):
             if not isinstance(a, torch.fx.Node) or not isinstance(v, torch.Tensor):
                 new.append(v)
+                continue
+            if pos in self.reduced:
+                new.append(self._bucketed(pos, v, a.meta["val"]))
                 continue
             src_ps = self.placed[a.name][0]
             want = self.plan.output_placements[pos]

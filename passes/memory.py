@@ -45,6 +45,12 @@ checkpointed, and its timeline leaves out the copies of the others; with none, i
 step without checkpointing. An input two layers' copies read beyond its own last read is
 counted live to the later of them whatever is chosen (an overestimate).
 
+Buckets (passes/buckets): a gradient in a bucket lives from its node to the node after
+which its bucket is issued (``Liveness.early``), not to the end; at that point the bucket's
+flattened input (the members' sizes as made) is a collective buffer, and from the next
+point to the end its reduced output (the members' sizes as they leave) counts as
+gradients. Those outputs are left out of ``bytes(out)``.
+
 Categories: ``parameters`` (parameters and buffers, the whole step; a tied parameter once),
 ``inputs`` (inputs and targets, the whole step), ``gradients`` (a parameter's gradient, from
 its node to the end: the optimizer reads it), ``activations`` (made in the forward, last used
@@ -70,13 +76,13 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
 from torch.distributed.tensor import Replicate
 
-from autopar.core import Plan, Recompute, StrategySpace, local_shape, parse_placements, roles
+from autopar.core import Plan, Recompute, Sink, StrategySpace, local_shape, parse_placements, roles
 
 from .layout import arena
 from .remat import COPY, storage_map
@@ -87,6 +93,7 @@ __all__ = [
     "MemoryReport",
     "OPTIMIZERS",
     "Storage",
+    "bucketed",
     "liveness",
     "local_bytes",
     "measure",
@@ -170,6 +177,8 @@ class Liveness:
     node_at: list[str] = field(default_factory=list)
     unit_at: list[str | None] = field(default_factory=list)
     groups: dict[str, list[Recompute]] = field(default_factory=dict)
+    early: dict[int, int] = field(default_factory=dict)
+    """Graph output position -> the point whose end issues its bucket (passes/buckets)."""
 
     OUTPUT = "output"
     """The name of the last point, ``len(order)``: where the step returns (``bytes(out)``)."""
@@ -252,10 +261,13 @@ class MemoryReport:
         return d
 
 
-def liveness(space: StrategySpace, recompute: Sequence[Recompute] = ()) -> Liveness:
+def liveness(
+    space: StrategySpace, recompute: Sequence[Recompute] = (), early: Mapping[int, str] = {}
+) -> Liveness:
     """Every storage of ``space``'s step and its life (module docstring); with
     ``recompute`` (passes/remat), the step in which any of them may be checkpointed
-    ("Checkpointing")."""
+    ("Checkpointing"); ``early``: graph output position -> the node after which its
+    gradient's bucket is issued (passes/buckets; "Buckets")."""
     order = space.order
     groups: dict[str, list[Recompute]] = defaultdict(list)
     before: dict[str, list[Recompute]] = defaultdict(list)
@@ -345,12 +357,17 @@ def liveness(space: StrategySpace, recompute: Sequence[Recompute] = ()) -> Liven
                 category = "recomputed"
             life[key] = [i, i, category]
 
-    # graph outputs live to the end; gradients are their own category
+    # graph outputs live to the end (a bucketed gradient: to its bucket's issue); gradients
+    # are their own category
+    issue_at = {pos: points.index(node) for pos, node in early.items()}
     for sink in space.sinks:
         s = storage_of.get((sink.src, sink.src_out))
         if s is None:
             continue
-        life[s][1] = end
+        if sink.position in issue_at:
+            life[s][1] = max(life[s][1], issue_at[sink.position])
+        else:
+            life[s][1] = end
         if sink.like is not None and space.roles[sink.like] == roles.PARAM:
             life[s][2] = "gradients"
     storages = []
@@ -392,6 +409,7 @@ def liveness(space: StrategySpace, recompute: Sequence[Recompute] = ()) -> Liven
         node_at=node_at,
         unit_at=unit_at,
         groups=dict(groups),
+        early=issue_at,
     )
 
 
@@ -401,6 +419,8 @@ def output_redistributions(lv: Liveness, out_ps: OutPlacement) -> list[tuple]:
     space = lv.space
     found = []
     for sink in space.sinks:
+        if sink.position in lv.early:  # (its bucket: ``measure``)
+            continue
         p = out_ps(sink.src, sink.src_out)
         if p is None:
             continue
@@ -455,6 +475,25 @@ def measure(
         delta[category][n - 1] += size
         blocks.append((n - 1, n - 1, size))
     buffers = delta["collective_buffers"]
+    # a bucket: its flat input at the point that issues it, its output from then to the end
+    issued: dict[int, list[Sink]] = defaultdict(list)
+    for sink in space.sinks:
+        if sink.position in lv.early:
+            issued[lv.early[sink.position]].append(sink)
+    for i, sinks in issued.items():
+        flat = sum(
+            local_bytes(*space.tensor(k.src, k.src_out), out_ps(k.src, k.src_out), mesh_shape)
+            for k in sinks
+        )
+        reduced = sum(
+            local_bytes(*space.tensor(k.src, k.src_out), out_ps(k.like, 0), mesh_shape)
+            for k in sinks
+            if k.like is not None
+        )
+        buffers[i] += flat
+        buffers[i + 1] -= flat
+        delta["gradients"][i + 1] += reduced
+        blocks.extend([(i, i, flat), (i + 1, n - 1, reduced)])
     for i, name in enumerate(lv.node_at):
         if space.targets[name] == "placeholder" or not lv.shown(i, recompute):
             continue
@@ -520,11 +559,25 @@ def plan_placements(plan: Plan) -> tuple[OutPlacement, InPlacement]:
     return out_ps, in_ps
 
 
+def bucketed(plan: Plan) -> dict[int, str]:
+    """Graph output position -> the node after which its gradient's bucket is issued, of
+    each bucket in ``plan.collectives`` (passes/buckets: edge
+    ``<node>->output[<positions>] (bucket k: ...)``)."""
+    early: dict[int, str] = {}
+    for c in plan.collectives:
+        if "bucket" not in c:
+            continue
+        src, _, rest = c["edge"].partition("->output[")
+        positions = rest.partition("]")[0]
+        early.update((int(p), src) for p in positions.split(","))
+    return early
+
+
 def simulate(space: StrategySpace, plan: Plan, optimizer: str = "adamw") -> MemoryReport:
     """The per-rank memory of ``plan``'s step, in the order it runs (``plan.order``, else
     the traced one; see the module docstring)."""
     out_ps, in_ps = plan_placements(plan)
     if plan.order:  # the order passes/order chose (placeholders first, as traced)
         space = replace(space, order=list(plan.order))
-    lv = liveness(space, plan.recompute)
+    lv = liveness(space, plan.recompute, bucketed(plan))
     return measure(lv, out_ps, in_ps, optimizer, {r.group for r in plan.recompute})

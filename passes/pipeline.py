@@ -17,6 +17,9 @@ to ``stats``. The pipeline of docs/architecture.md, as entries:
                  (on the Plan assembled after solve;                   order_exact, ...,
                  the state's plan is replaced by                       traced_peak_bytes
                  one with plan.order)
+    buckets      strategies, plan, options               (count)       buckets,
+                 (the state's plan is replaced by one                  bucketed_reductions
+                 with its gradient all-reduces bucketed)
     memory       strategies, plan, options                   MemoryReport  step_peak_bytes,
                                                                        arena_bytes
                  (into plan.memory["step"], in
@@ -28,7 +31,8 @@ to ``stats``. The pipeline of docs/architecture.md, as entries:
 ``stats["<name>_s"]`` and the stage's own statistics, and logs one line (logger
 ``autopar``). A stage named in ``skip`` does not run: its output is None and its statistics
 say so; only stages marked ``skippable`` may be skipped (``fold``: ``fold=False`` of the
-public API is ``skip={"fold"}``; ``order``: the traced order; ``memory``). A new stage is a new entry in a list (``PLAN_STAGES``,
+public API is ``skip={"fold"}``; ``order``: the traced order; ``buckets``: one all-reduce
+per gradient; ``memory``). A new stage is a new entry in a list (``PLAN_STAGES``,
 ``COMPILE_STAGES``), not an edit of the driver.
 """
 
@@ -45,6 +49,7 @@ from typing import Any
 
 from autopar.core import CompiledStep, Solution, StrategySpace
 
+from .buckets import DEFAULT_BUCKET_BYTES, bucket_reductions
 from .codegen import codegen
 from .fold import FoldedGraph, fold_regions
 from .memory import OPTIMIZERS, MemoryReport, simulate
@@ -57,6 +62,7 @@ from .trace import StepGraph, trace_step
 
 __all__ = [
     "COMPILE_STAGES",
+    "DEFAULT_BUCKET_BYTES",
     "PLAN_STAGES",
     "REPORT_STAGES",
     "STAGE_NAMES",
@@ -100,6 +106,10 @@ class PlanOptions:
     pins: tuple[Pin, ...] = ()
     """Nodes fixed to strategies before the search (a whole plan: ``autopar.evaluate``)."""
 
+    bucket_bytes: float = DEFAULT_BUCKET_BYTES
+    """The gradient all-reduces are grouped into buckets of about this many bytes
+    (passes/buckets; ``skip={"buckets"}``: one all-reduce per gradient, at the end)."""
+
     forbid: tuple[tuple[tuple[str, str], ...], ...] = ()
     """Choices the plan may not make: each a tuple of ``(node, placements text)``, not all
     of which the plan may keep (passes/solve ``forbid``; ``autopar explain``)."""
@@ -109,6 +119,8 @@ class PlanOptions:
             raise ValueError(f"optimizer {self.optimizer!r}: one of {sorted(OPTIMIZERS)}")
         if self.time_limit_s <= 0:
             raise ValueError(f"time_limit_s must be > 0, got {self.time_limit_s}")
+        if not self.bucket_bytes > 0:
+            raise ValueError(f"bucket_bytes must be > 0, got {self.bucket_bytes}")
         if self.memory_budget is not None and not self.memory_budget > 0:
             raise ValueError(
                 f"memory_budget must be a positive number of bytes, got {self.memory_budget}"
@@ -277,6 +289,16 @@ def _order_stats(ordering: Ordering | None) -> dict:
     }
 
 
+def _buckets(state: dict) -> int:
+    plan = bucket_reductions(state["strategies"], state["plan"], state["options"].bucket_bytes)
+    state["plan"] = plan
+    return int(plan.stats.get("buckets", 0))
+
+
+def _buckets_stats(buckets: int | None) -> dict:
+    return {"buckets": 0 if buckets is None else buckets}
+
+
 def _memory(state: dict) -> MemoryReport:
     return simulate(state["strategies"], state["plan"], optimizer=state["options"].optimizer)
 
@@ -296,10 +318,12 @@ PLAN_STAGES = (
 """From a traced step to a solution: what ``autopar.plan`` runs after ``TRACE``."""
 REPORT_STAGES = (
     Stage("order", _order, _order_stats, skippable=True),
+    Stage("buckets", _buckets, _buckets_stats, skippable=True),
     Stage("memory", _memory, _memory_stats, skippable=True),
 )
-"""On the assembled Plan: the operator order (passes/order), into ``plan.order``, and the
-step memory per rank in that order (passes/memory), into ``plan.memory``."""
+"""On the assembled Plan: the operator order (passes/order), into ``plan.order``; the
+gradient buckets (passes/buckets), into ``plan.collectives``; and the step memory per rank
+in that order (passes/memory), into ``plan.memory``."""
 COMPILE_STAGES = (Stage("codegen", _codegen, _codegen_stats),)
 """From a plan to the compiled local step: what ``autopar.compile`` runs after planning."""
 ALL_STAGES = (TRACE, *PLAN_STAGES, *REPORT_STAGES, *COMPILE_STAGES)

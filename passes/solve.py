@@ -54,11 +54,16 @@ C = c + sum_i m_i + m_tail where each is waited for at once (gloo on CPU, as cod
 of the collectives that redistribute the tensor from p to q
 (``cost_models.comm.redistribute_time``, in ``_edge_cost``). Graph outputs are edges into
 fixed or tied placements (``Sink``, ``output_terms``): the loss into Replicate on every
-axis, a gradient into its parameter's placement. A gradient's reduction runs while the
-backward pass goes on (as DDP and FSDP overlap it), so its edge counts
-``(1 - grad_overlap)`` of R(p, q) (``GRAD_OVERLAP`` = 0.75 by default): without it, a model
-whose gradients outweigh its activations would always put tensor parallelism on the
-slowest axis. Since x is one-hot, the margins of each edge's e are one-hot, which forces e
+axis, a gradient into its parameter's placement. A gradient's reduction that codegen
+issues in a bucket as soon as the bucket's gradients are made (one all-reduce on one axis,
+``bucketable``; passes/buckets) runs while the backward pass goes on where the device
+overlaps collectives (CUDA), so its edge counts ``(1 - grad_overlap)`` of R(p, q)
+(``GRAD_OVERLAP`` = 0.75 by default): without it, a model whose gradients outweigh its
+activations would always put tensor parallelism on the slowest axis. Every other
+gradient reduction (a reduce-scatter, one over two axes, one before a cast) runs where
+codegen emits it, waited for, and counts whole; so does every one on gloo, which waits
+for each bucket where it is issued. The plan's ``total_s`` is then the emitted step
+simulated (passes/buckets), which this objective stands in for linearly. Since x is one-hot, the margins of each edge's e are one-hot, which forces e
 to the single pair (p, q) chosen, so e needs no integrality.
 
 Memory. bytes(i), the bytes one rank holds after node i (passes/memory), is linear in the
@@ -218,6 +223,9 @@ __all__ = [
     "MIP_GAP",
     "IlpBuilder",
     "SolveError",
+    "bucketable",
+    "collective_s",
+    "overlaps_collectives",
     "smallest_budget",
     "solve",
 ]
@@ -295,6 +303,21 @@ def _node_costs(space: StrategySpace, name: str, profile: DeviceProfile) -> list
         cache[key] = c
         costs.append(c)
     return costs
+
+
+def collective_s(mesh, kind: str, axis: int, nbytes: int) -> float:
+    """One collective of ``kind`` moving ``nbytes`` over mesh ``axis``, priced as the
+    solver prices every collective (cost_models/comm on the mesh's profile): for the
+    passes that regroup collectives after the search (passes/buckets)."""
+    return collectives_time(
+        [Collective(kind, axis, int(nbytes), mesh.shape[axis])], mesh, get_profile(mesh.device)
+    )
+
+
+def overlaps_collectives(mesh) -> bool:
+    """Whether the step on ``mesh``'s profile runs collectives beside its kernels
+    (``DeviceProfile.overlaps_collectives``: CUDA streams, not gloo)."""
+    return bool(get_profile(mesh.device).overlaps_collectives)
 
 
 def _inner_collectives(space: StrategySpace, name: str, s: Strategy) -> list[Collective]:
@@ -398,6 +421,18 @@ def _edge_cost(src_ps, dst_ps, shape_dtype, mesh, profile) -> float | None:
         return redistribute_time(src_ps, dst_ps, shape_dtype[0], shape_dtype[1], mesh, profile)
     except ValueError:
         return None
+
+
+def bucketable(src_ps, dst_ps) -> bool:
+    """Whether a gradient's p -> q is one all-reduce on one axis (Partial -> Replicate
+    there, the other axes unchanged): what passes/buckets buckets and codegen issues as
+    soon as the bucket's gradients are made."""
+    changed = [(a, b) for a, b in zip(src_ps, dst_ps) if a != b]
+    return (
+        len(changed) == 1
+        and isinstance(changed[0][0], Partial)
+        and isinstance(changed[0][1], Replicate)
+    )
 
 
 def _reduces_as(src_ps, dst_ps, reduce: str) -> bool:
@@ -599,9 +634,11 @@ class IlpBuilder:
         follow=False,
         max_axes=None,
         scale=1.0,
+        hidden=None,
         reduce: str | None = None,
     ) -> list[tuple[Any, tuple, tuple]]:
-        """e[u,p,v,q] for every allowed pair, tied to Y[u,p] and Z[v,q]; R(p,q) * m.
+        """e[u,p,v,q] for every allowed pair, tied to Y[u,p] and Z[v,q]; R(p,q) * m, times
+        ``scale`` where ``hidden(p, q)`` (None: every pair).
         ``reduce`` (a gradient cast's ``reduce_at``): "after" leaves out the pairs that
         reduce a Partial, "before" those that deliver one. Returns the pairs as
         ``(e, p, q)``."""
@@ -622,7 +659,8 @@ class IlpBuilder:
                 c = _edge_cost(p, q, shape_dtype, space.mesh, self.profile)
                 if c is None:
                     continue
-                c *= scale
+                if hidden is None or hidden(p, q):
+                    c *= scale
                 ev = self.lp.NumVar(0.0, 1.0, "")
                 self.pair_cost[ev] = c
                 self.n_edge_vars += 1
@@ -657,8 +695,8 @@ class IlpBuilder:
                 follow=self.merge and _follows(space, dst) and reduce is None,
                 max_axes=self.reshard_axes,
                 reduce=reduce,
-                # a gradient reduced before its cast overlaps the backward as one at the end
-                scale=1.0 - self.grad_overlap if reduce == "before" else 1.0,
+                # (a gradient reduced before its cast is reduced where the cast runs, waited
+                # for there, as every reshard)
             )
 
     def output_terms(self) -> None:
@@ -690,9 +728,13 @@ class IlpBuilder:
                             self.coef[v] += c * len(labels) * _SCALE
                         self.edge_terms.append(_EdgeTerm(labels, xs, p, rep_ps, c, shape_dtype))
                 continue
-            # a gradient's reduction overlaps the rest of the backward pass
-            scale = 1.0 - self.grad_overlap if space.roles[like] == roles.PARAM else 1.0
-            pairs = self._pair_variables(labels, src, src_out, self.out_group(like, 0), scale=scale)
+            # a gradient's reduction that codegen buckets overlaps the rest of the backward
+            # pass (where the device overlaps collectives); the others run at its end
+            grad = space.roles[like] == roles.PARAM and self.profile.overlaps_collectives
+            scale = 1.0 - self.grad_overlap if grad else 1.0
+            pairs = self._pair_variables(
+                labels, src, src_out, self.out_group(like, 0), scale=scale, hidden=bucketable
+            )
             self.sink_pairs.append((src, src_out, pairs, len(labels)))
 
     # -- ties and memory -------------------------------------------------------------------

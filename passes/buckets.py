@@ -1,0 +1,158 @@
+"""Gradient buckets: the plan's gradient all-reduces grouped into few large ones, each issued
+as soon as its last gradient is made.
+
+Takes: the ``StrategySpace`` (its sinks, tensors) and an assembled ``Plan`` (its
+collectives, its order). Returns: the plan with each bucket's members replaced in
+``plan.collectives`` by one collective, and ``plan.cost`` repriced.
+
+Which reductions: a gradient (a sink ``like`` a parameter) whose redistribution to its
+parameter's placement is one all-reduce on one axis (``P -> R`` there, every other axis
+unchanged: passes/solve ``bucketable``, which the solver's objective credits as hidden). Others (two axes reduced, a reduce-scatter into a sharded parameter, the loss)
+stay as they are, at the graph's end.
+
+How (as DDP buckets, at plan time so that counts and costs are the plan's): the
+candidates, in the order their gradients are made (``plan.order``, else the traced order),
+go into one open bucket per ``(axis, dtype, reduce op)``; a bucket closes when it holds
+``bucket_bytes`` or more (a gradient over the cap is a bucket of its own, issued as early
+as the others). A bucket is issued after the node that makes its last gradient
+(``edge``: ``<that node>->output[<positions>] (bucket k: n gradients)``):
+
+    cat       flat = cat(g.view(-1) for g in members)      members freed
+    reduce    out  = all_reduce(flat, op, axis)            flat freed
+    return    each member's gradient: a view of out
+
+priced as one call: ``time(B) = collective_time(all_reduce, sum of member bytes)`` (one
+``collective_overhead``, one set of latencies, where n reductions paid n), on the axis's
+link. passes/codegen emits exactly this (on CUDA the wait is at the backward's end, so a
+bucket overlaps the rest of the backward; on gloo it is waited for at once: two
+collectives in flight on one gloo group can mix their messages, passes/codegen ``_Ring``);
+passes/memory counts the members to the issue point, ``flat`` there, and ``out`` from
+there to the end; core/schedule issues the bucket after its last gradient and, where the
+profile overlaps collectives, lets the compute stream run on (``overlap`` in the entry).
+
+``plan.cost``: ``comm_s`` and ``comm_by_kind_s`` are repriced with the buckets (the sum
+of the step's collectives, nothing discounted); the solver's own objective, with its flat
+share of each gradient reduction hidden (passes/solve ``GRAD_OVERLAP``), is kept as
+``objective_s``, and once the step memory has its timeline ``total_s`` becomes the emitted
+step's simulated length (``Plan.emitted_step_s``, autopar/api), which credits exactly the
+overlap the emitted step has.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+
+import torch
+
+from autopar.core import Plan, StrategySpace, parse_placements, roles
+
+from .solve import bucketable, collective_s, overlaps_collectives
+
+__all__ = ["DEFAULT_BUCKET_BYTES", "Bucket", "bucket_entries", "bucket_reductions", "candidates"]
+
+DEFAULT_BUCKET_BYTES = 25 * 2**20
+"""DDP's default bucket cap (``bucket_cap_mb=25``)."""
+
+
+@dataclasses.dataclass
+class Bucket:
+    """One bucket: its members' sink positions, in the order their gradients are made."""
+
+    axis: str
+    dtype: torch.dtype
+    op: str
+    members: list[dict] = dataclasses.field(default_factory=list)
+    positions: list[int] = dataclasses.field(default_factory=list)
+    issue: str = ""
+    nbytes: int = 0
+
+
+def candidates(space: StrategySpace, plan: Plan) -> list[tuple[int, dict, int, str]]:
+    """``(sink position, its collective, producer index, reduce op)`` of each gradient whose
+    reduction is one all-reduce on one axis (module docstring), in the order made."""
+    order = list(plan.order) if plan.order else list(space.order)
+    index = {n: i for i, n in enumerate(order)}
+    per_edge: dict[str, list[dict]] = defaultdict(list)
+    for c in plan.collectives:
+        per_edge[c["edge"]].append(c)
+    found = []
+    for sink in space.sinks:
+        if sink.like is None or space.roles[sink.like] != roles.PARAM:
+            continue
+        label = f"{sink.src}->output[{sink.position}] (as {sink.like})"
+        cs = per_edge.get(label, [])
+        if len(cs) != 1 or cs[0]["kind"] != "all_reduce" or sink.src_out != 0:
+            continue
+        src_ps = plan.nodes[sink.src].out[0]
+        dst_ps = plan.nodes[sink.like].out[0]
+        if src_ps is None or dst_ps is None:
+            continue
+        src_p, dst_p = parse_placements(src_ps), parse_placements(dst_ps)
+        if not bucketable(src_p, dst_p):
+            continue
+        (p,) = [a for a, b in zip(src_p, dst_p) if a != b]
+        found.append((sink.position, cs[0], index[sink.src], str(getattr(p, "reduce_op", "sum"))))
+    found.sort(key=lambda f: (f[2], f[0]))
+    return found
+
+
+def bucket_reductions(space: StrategySpace, plan: Plan, bucket_bytes: float) -> Plan:
+    """``plan`` with its gradient all-reduces bucketed (module docstring)."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+    found = candidates(space, plan)
+    order = list(plan.order) if plan.order else list(space.order)
+    open_: dict[tuple, Bucket] = {}
+    done: list[Bucket] = []
+    for position, c, at, op in found:
+        sink = next(s for s in space.sinks if s.position == position)
+        dtype = space.tensor(sink.src, 0)[1]
+        key = (c["axis"], dtype, op)
+        b = open_.setdefault(key, Bucket(c["axis"], dtype, op))
+        b.members.append(c)
+        b.positions.append(position)
+        b.issue = order[at]
+        b.nbytes += int(c["nbytes"])
+        if b.nbytes >= bucket_bytes:
+            done.append(open_.pop(key))
+    done.extend(open_.values())
+    axis_index = {a: i for i, a in enumerate(plan.mesh.axis_names)}
+    bucketed = {id(c) for b in done for c in b.members}
+    done.sort(key=lambda b: order.index(b.issue))
+    collectives = [c for c in plan.collectives if id(c) not in bucketed]
+    overlap = overlaps_collectives(plan.mesh)
+    for k, b in enumerate(done):
+        collectives.append(
+            {
+                "edge": f"{b.issue}->output[{','.join(map(str, b.positions))}] "
+                f"(bucket {k}: {len(b.members)} gradients)",
+                "param": f"{len(b.members)} gradients ({b.members[0].get('param', '?')}, ...)",
+                "params": [c.get("param", "") for c in b.members],
+                "kind": "all_reduce",
+                "axis": b.axis,
+                "nbytes": b.nbytes,
+                "group_size": int(b.members[0]["group_size"]),
+                "time_s": collective_s(plan.mesh, "all_reduce", axis_index[b.axis], b.nbytes),
+                "bucket": k,
+                "dtype": str(b.dtype).removeprefix("torch."),
+                "op": b.op,
+                "overlap": overlap,
+            }
+        )
+    by_kind: dict[str, float] = defaultdict(float)
+    for c in collectives:
+        by_kind[c["kind"]] += c["time_s"]
+    cost = dict(plan.cost)
+    cost.setdefault("objective_s", cost.get("total_s", 0.0))
+    cost["comm_s"] = sum(by_kind.values())
+    cost["comm_by_kind_s"] = dict(sorted(by_kind.items()))
+    out = dataclasses.replace(plan, collectives=tuple(collectives), cost=cost)
+    out.stats["buckets"] = len(done)
+    out.stats["bucketed_reductions"] = len(bucketed)
+    return out
+
+
+def bucket_entries(plan: Plan) -> list[dict]:
+    """The plan's bucket entries (``plan.collectives`` with a ``bucket`` key), in order."""
+    return sorted((c for c in plan.collectives if "bucket" in c), key=lambda c: c["bucket"])
