@@ -31,8 +31,8 @@ there to the end; core/schedule issues the bucket after its last gradient and, w
 profile overlaps collectives, lets the compute stream run on (``overlap`` in the entry).
 
 ``plan.cost``: ``comm_s`` and ``comm_by_kind_s`` are repriced with the buckets (the sum
-of the step's collectives, nothing discounted); the solver's own objective, with its flat
-share of each gradient reduction hidden (passes/solve ``GRAD_OVERLAP``), is kept as
+of the step's collectives, nothing discounted); the solver's own objective (passes/solve,
+"Overlap": the buckets hidden behind the backward up to its length) is kept as
 ``objective_s``, and once the step memory has its timeline ``total_s`` becomes the emitted
 step's simulated length (``Plan.emitted_step_s``, autopar/api), which credits exactly the
 overlap the emitted step has.
@@ -149,6 +149,7 @@ def bucket_reductions(space: StrategySpace, plan: Plan, bucket_bytes: float) -> 
     cost["comm_by_kind_s"] = dict(sorted(by_kind.items()))
     out = dataclasses.replace(plan, collectives=tuple(collectives), cost=cost)
     out.stats["buckets"] = len(done)
+    out.stats["overlaps_collectives"] = overlap
     out.stats["bucketed_reductions"] = len(bucketed)
     return out
 

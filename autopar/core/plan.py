@@ -435,8 +435,8 @@ class Plan:
             "other collective waited for)",
             *(
                 [
-                    f"the solver's objective: {c['objective_s'] * 1e3:.4f} ms (a fixed share of "
-                    "each gradient reduction counted as hidden)"
+                    f"the solver's objective: {c['objective_s'] * 1e3:.4f} ms (gradient "
+                    "buckets hidden behind the backward up to its length)"
                 ]
                 if "objective_s" in c
                 else []

@@ -16,7 +16,11 @@ communication, from the plan's per-node costs and predicted collectives:
       attention's exchanges, passes/solve) is already in the node's ``cost_s``, overlapped
       as the op overlaps it: it is drawn on the communication stream from the node's start,
       and nothing waits for it;
-    - the communication stream runs its collectives one at a time, in the order issued.
+    - the communication stream runs the collectives of one mesh axis one at a time, in
+      the order issued; where the device overlaps collectives (``plan.stats
+      ["overlaps_collectives"]``, passes/buckets: CUDA) those of different axes run beside
+      each other (each axis is its own process group, with its own NCCL stream and, across
+      nodes, its own links); on gloo, one at a time.
 
 Two issue rules give two schedules:
 
@@ -34,9 +38,9 @@ Two issue rules give two schedules:
 ``Plan.emitted_step_s()`` is the emitted schedule's length: the step time the plan predicts
 for the step codegen emits, which overlaps its gradient buckets and nothing else. It is
 ``plan.cost["total_s"]`` once the buckets stage ran; the solver's objective
-(``plan.cost["objective_s"]``) is a linear stand-in that the ILP can optimize: it credits a
-fixed share of each gradient reduction as hidden (passes/solve, ``GRAD_OVERLAP``). The
-report states the lengths side by side.
+(``plan.cost["objective_s"]``) is a linear stand-in that the ILP can optimize: it hides
+the buckets behind the backward up to the backward's length, whatever their order
+(passes/solve, "Overlap"). The report states the lengths side by side.
 """
 
 from __future__ import annotations
@@ -142,16 +146,17 @@ def schedule(plan: Plan, *, overlap: bool = False) -> list[Span]:
     compute: list[Span] = []
     comm: list[Span] = []
     ends: dict[int, float] = {}  # id(collective) -> its end
-    comm_clock = 0.0
+    comm_clock: dict[str, float] = defaultdict(float)  # per mesh axis (gloo: one)
+    streams = bool(plan.stats.get("overlaps_collectives"))
 
     def issue(cs: list[dict], at: float) -> None:
-        nonlocal comm_clock
         for c in cs:
             if id(c) in ends:
                 continue
-            span = _comm_span(c, max(comm_clock, at))
+            axis = c.get("axis", "") if streams else ""
+            span = _comm_span(c, max(comm_clock[axis], at))
             comm.append(span)
-            comm_clock = ends[id(c)] = span.end_s
+            comm_clock[axis] = ends[id(c)] = span.end_s
 
     if overlap:  # a reshard whose input no point makes is ready at the step's start
         issued_later = {id(c) for c in _flat(after)}

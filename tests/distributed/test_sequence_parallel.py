@@ -124,11 +124,14 @@ def test_context_parallel_step_equals_single_device(case):
 
 def test_tokens_labels_positions_and_logits_split_along_the_sequence_equal_single_device():
     # one sequence (no batch to split): the tokens and labels pinned along the sequence, the
-    # rotary positions and the logits split with them, attention on a ring
+    # embedding and the logits with them, the rotary positions split as they are, attention
+    # on a ring (unpinned, the solver gathers the tokens and replicates the embedding's
+    # output, whose weight's gradient is then whole: no all-reduce, which gloo waits for)
     constraints = {
         "input:*": "S(1)",
         "attention:*": "S(2)",
         "context": "ring",
+        "output:model.embed_tokens": "S(1)",
         "output:lm_head": "S(1)",
     }
     plan = _plan("hf-llama", (2,), ("cp",), constraints, batch=1)
@@ -167,8 +170,10 @@ def test_megatron_sequence_parallel_step_equals_single_device(example):
     ]
     assert norms and all(plan.nodes[n].out[0] == ("S(1)",) for n in norms), norms
     counts = plan.collective_counts()
-    # row-parallel outputs reduce-scattered, column-parallel inputs all-gathered
-    assert counts.get(("reduce_scatter", "tp"), 0) >= 4, counts
+    # row-parallel outputs reduce-scattered, column-parallel inputs all-gathered (which
+    # row-parallel outputs is the solver's: an MLP's may be all-reduced into a replicated
+    # residual stream where the cost model finds that cheaper, as on gloo for hf-gpt2)
+    assert counts.get(("reduce_scatter", "tp"), 0) >= 2, counts
     assert counts.get(("all_gather", "tp"), 0) >= 4, counts
     reports = verify(example, (2,), ("tp",), plan_json=plan.to_json(timings=True), batch=batch)
     _check_numerics(reports)

@@ -184,7 +184,9 @@ def _solve_both(step, mesh, *, same_plan=True, **kw):
     if not same_plan:
         assert plain.objective_s <= folded.objective_s * (1 + 1e-9)
         return folded, plain
-    assert folded.objective_s == pytest.approx(plain.objective_s, rel=1e-9)
+    # (within 1e-6: each solve re-prices the gradient buckets at its own plan's overlap,
+    # passes/solve "Overlap", so the two stop at plans within the re-pricing's rounding)
+    assert folded.objective_s == pytest.approx(plain.objective_s, rel=1e-6)
     # the same choice at every node, not only the same cost
     chosen = {n: folded.chosen(folded_space, n) for n in folded_space.order}
     assert chosen == {n: plain.chosen(plain_space, n) for n in plain_space.order}
