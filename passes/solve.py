@@ -549,6 +549,7 @@ class IlpBuilder:
         # own: its entries are its producer's, ``merge_source``)
         self.x: dict[str, list[list[Any]]] = {}
         self.coef: dict = defaultdict(float)
+        self.ties: dict = defaultdict(float)  # the tie-break, apart: no part of a time
         # the overlap terms ("Overlap"): the forward's share of ``coef``, and per mesh axis
         # the gradient buckets' reductions (kept out of ``coef``)
         self.forward_coef: dict = defaultdict(float)
@@ -644,7 +645,7 @@ class IlpBuilder:
             self.x[name] = [[v] for v in vs]
             for k, v in enumerate(vs):
                 # tie-break: prefer earlier strategies by a hair, once per instance
-                self.coef[v] += TIE_BREAK_US * k / len(vs) * self.folding.count[name]
+                self.ties[v] += TIE_BREAK_US * k / len(vs) * self.folding.count[name]
         forward = self.space.roles[name] != roles.BACKWARD
         for k, c in enumerate(costs):
             for v in self.x[name][k]:
@@ -926,6 +927,8 @@ class IlpBuilder:
         self._active = self.coef if coef is None else coef
         terms: dict = defaultdict(float, self._active)
         if coef is None:
+            for v, c in self.ties.items():
+                terms[v] += c
             for axis, part in self.bucket_coef.items():
                 share = self.bucket_scale.get(axis, 1.0 - GRAD_OVERLAP)
                 for v, c in part.items():
@@ -939,8 +942,18 @@ class IlpBuilder:
         backward, max(W, W_fwd + G_a), and the share of each G_a that is not hidden,
         max(0, 1 - (W - W_fwd) / G_a) ("Overlap")."""
 
+        # the choice variables rounded (the solver's tolerance leaves 1e-7 on a continuous
+        # e; the plan is the rounded choice); a checkpointed group's time t as it is
+        times = {t.index() for _, t, _, _ in self.remat.values()}
+
         def value(part: dict) -> float:
-            return sum(c * v.solution_value() for v, c in part.items()) / _SCALE
+            return (
+                sum(
+                    c * (v.solution_value() if v.index() in times else round(v.solution_value()))
+                    for v, c in part.items()
+                )
+                / _SCALE
+            )
 
         whole, forward = value(self.coef), value(self.forward_coef)
         backward = whole - forward
