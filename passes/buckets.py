@@ -49,7 +49,7 @@ from autopar.core import Plan, StrategySpace, parse_placements, roles
 
 from .solve import bucketable, collective_s, overlaps_collectives
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "Bucket", "bucket_entries", "bucket_reductions", "candidates"]
+__all__ = ["DEFAULT_BUCKET_BYTES", "Bucket", "bucket_reductions", "candidates"]
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 """DDP's default bucket cap (``bucket_cap_mb=25``)."""
@@ -65,12 +65,13 @@ class Bucket:
     members: list[dict] = dataclasses.field(default_factory=list)
     positions: list[int] = dataclasses.field(default_factory=list)
     issue: str = ""
+    at: int = 0  # the issue node's position in the step's order
     nbytes: int = 0
 
 
-def candidates(space: StrategySpace, plan: Plan) -> list[tuple[int, dict, int, str]]:
-    """``(sink position, its collective, producer index, reduce op)`` of each gradient whose
-    reduction is one all-reduce on one axis (module docstring), in the order made."""
+def candidates(space: StrategySpace, plan: Plan) -> list[tuple[int, dict, int, str, torch.dtype]]:
+    """``(sink position, its collective, producer index, reduce op, dtype)`` of each gradient
+    whose reduction is one all-reduce on one axis (module docstring), in the order made."""
     order = list(plan.order) if plan.order else list(space.order)
     index = {n: i for i, n in enumerate(order)}
     per_edge: dict[str, list[dict]] = defaultdict(list)
@@ -92,7 +93,8 @@ def candidates(space: StrategySpace, plan: Plan) -> list[tuple[int, dict, int, s
         if not bucketable(src_p, dst_p):
             continue
         (p,) = [a for a, b in zip(src_p, dst_p) if a != b]
-        found.append((sink.position, cs[0], index[sink.src], str(getattr(p, "reduce_op", "sum"))))
+        op = str(getattr(p, "reduce_op", "sum"))
+        found.append((sink.position, cs[0], index[sink.src], op, space.tensor(sink.src, 0)[1]))
     found.sort(key=lambda f: (f[2], f[0]))
     return found
 
@@ -105,21 +107,19 @@ def bucket_reductions(space: StrategySpace, plan: Plan, bucket_bytes: float) -> 
     order = list(plan.order) if plan.order else list(space.order)
     open_: dict[tuple, Bucket] = {}
     done: list[Bucket] = []
-    for position, c, at, op in found:
-        sink = next(s for s in space.sinks if s.position == position)
-        dtype = space.tensor(sink.src, 0)[1]
+    for position, c, at, op, dtype in found:
         key = (c["axis"], dtype, op)
         b = open_.setdefault(key, Bucket(c["axis"], dtype, op))
         b.members.append(c)
         b.positions.append(position)
-        b.issue = order[at]
+        b.issue, b.at = order[at], at
         b.nbytes += int(c["nbytes"])
         if b.nbytes >= bucket_bytes:
             done.append(open_.pop(key))
     done.extend(open_.values())
     axis_index = {a: i for i, a in enumerate(plan.mesh.axis_names)}
     bucketed = {id(c) for b in done for c in b.members}
-    done.sort(key=lambda b: order.index(b.issue))
+    done.sort(key=lambda b: b.at)
     collectives = [c for c in plan.collectives if id(c) not in bucketed]
     overlap = overlaps_collectives(plan.mesh)
     for k, b in enumerate(done):
@@ -152,8 +152,3 @@ def bucket_reductions(space: StrategySpace, plan: Plan, bucket_bytes: float) -> 
     out.stats["overlaps_collectives"] = overlap
     out.stats["bucketed_reductions"] = len(bucketed)
     return out
-
-
-def bucket_entries(plan: Plan) -> list[dict]:
-    """The plan's bucket entries (``plan.collectives`` with a ``bucket`` key), in order."""
-    return sorted((c for c in plan.collectives if "bucket" in c), key=lambda c: c["bucket"])
