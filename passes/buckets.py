@@ -7,7 +7,7 @@ collectives, its order). Returns: the plan with each bucket's members replaced i
 
 Which reductions: a gradient (a sink ``like`` a parameter) whose redistribution to its
 parameter's placement is one all-reduce on one axis (``P -> R`` there, every other axis
-unchanged: passes/solve ``bucketable``, which the solver's objective credits as hidden). Others (two axes reduced, a reduce-scatter into a sharded parameter, the loss)
+unchanged: ``core.reduced_axis``, which the solver's objective credits as hidden). Others (two axes reduced, a reduce-scatter into a sharded parameter, the loss)
 stay as they are, at the graph's end.
 
 How (as DDP buckets, at plan time so that counts and costs are the plan's): the
@@ -45,9 +45,9 @@ from collections import defaultdict
 
 import torch
 
-from autopar.core import Plan, StrategySpace, parse_placements, roles
+from autopar.core import Plan, StrategySpace, parse_placements, reduced_axis, roles
 
-from .solve import bucketable, collective_s, overlaps_collectives
+from .solve import collective_s, overlaps_collectives
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "Bucket", "bucket_reductions", "candidates"]
 
@@ -69,9 +69,12 @@ class Bucket:
     nbytes: int = 0
 
 
-def candidates(space: StrategySpace, plan: Plan) -> list[tuple[int, dict, int, str, torch.dtype]]:
-    """``(sink position, its collective, producer index, reduce op, dtype)`` of each gradient
-    whose reduction is one all-reduce on one axis (module docstring), in the order made."""
+def candidates(
+    space: StrategySpace, plan: Plan
+) -> list[tuple[int, dict, int, str, str, torch.dtype]]:
+    """``(sink position, its collective, producer index, producer, reduce op, dtype)`` of
+    each gradient whose reduction is one all-reduce on one axis (module docstring), in the
+    order made."""
     order = list(plan.order) if plan.order else list(space.order)
     index = {n: i for i, n in enumerate(order)}
     per_edge: dict[str, list[dict]] = defaultdict(list)
@@ -89,12 +92,13 @@ def candidates(space: StrategySpace, plan: Plan) -> list[tuple[int, dict, int, s
         dst_ps = plan.nodes[sink.like].out[0]
         if src_ps is None or dst_ps is None:
             continue
-        src_p, dst_p = parse_placements(src_ps), parse_placements(dst_ps)
-        if not bucketable(src_p, dst_p):
+        src_p = parse_placements(src_ps)
+        axis = reduced_axis(src_p, parse_placements(dst_ps))
+        if axis is None:
             continue
-        (p,) = [a for a, b in zip(src_p, dst_p) if a != b]
-        op = str(getattr(p, "reduce_op", "sum"))
-        found.append((sink.position, cs[0], index[sink.src], op, space.tensor(sink.src, 0)[1]))
+        op = str(getattr(src_p[axis], "reduce_op", "sum"))
+        dtype = space.tensor(sink.src, 0)[1]
+        found.append((sink.position, cs[0], index[sink.src], sink.src, op, dtype))
     found.sort(key=lambda f: (f[2], f[0]))
     return found
 
@@ -104,15 +108,14 @@ def bucket_reductions(space: StrategySpace, plan: Plan, bucket_bytes: float) -> 
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
     found = candidates(space, plan)
-    order = list(plan.order) if plan.order else list(space.order)
     open_: dict[tuple, Bucket] = {}
     done: list[Bucket] = []
-    for position, c, at, op, dtype in found:
+    for position, c, at, src, op, dtype in found:
         key = (c["axis"], dtype, op)
         b = open_.setdefault(key, Bucket(c["axis"], dtype, op))
         b.members.append(c)
         b.positions.append(position)
-        b.issue, b.at = order[at], at
+        b.issue, b.at = src, at
         b.nbytes += int(c["nbytes"])
         if b.nbytes >= bucket_bytes:
             done.append(open_.pop(key))

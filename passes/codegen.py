@@ -90,8 +90,10 @@ from autopar.core import (
     local_shape,
     ops,
     parse_placements,
+    reduced_axis,
     roles,
 )
+from autopar.core.schedule import bucket_site
 
 from . import order, remat, rules
 from .trace import StepGraph
@@ -319,11 +321,12 @@ class _Localizer(torch.fx.Interpreter):
         self.param_nodes = {n: name for name, n in plan.params.items()}
         # gradient buckets (passes/buckets): issued after the node that makes the last
         # gradient, each output position then read from its bucket
-        self.buckets: dict[str, list[dict]] = {}
+        self.buckets: dict[str, list[tuple[dict, list[int]]]] = {}
         for c in plan.collectives:
             if "bucket" in c:
-                src = c["edge"].partition("->")[0]
-                self.buckets.setdefault(src, []).append(c)
+                src, positions = bucket_site(c)
+                self.buckets.setdefault(src, []).append((c, positions))
+        self.outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
         self.reduced: dict[int, tuple] = {}  # output position -> (bucket, offset, numel)
         self.pending: dict[int, torch.Tensor] = {}  # bucket -> its all-reduce, not waited for
         self.done: dict[int, torch.Tensor] = {}  # bucket -> its reduced flat tensor
@@ -349,26 +352,23 @@ class _Localizer(torch.fx.Interpreter):
     def run_node(self, n):
         self._node = n
         out = super().run_node(n)
-        for bucket in self.buckets.get(n.name, ()):
-            self._issue(bucket, n, out)
+        for bucket, positions in self.buckets.get(n.name, ()):
+            self._issue(bucket, positions, n, out)
         return out
 
-    def _issue(self, bucket: dict, node, value) -> None:
+    def _issue(self, bucket: dict, positions: list[int], node, value) -> None:
         """One bucket of gradient all-reduces (passes/buckets): the members flattened into
         one tensor, all-reduced over the bucket's axis; on gloo waited for at once (two
         collectives in flight on one gloo group can mix their messages, ``_Ring``), else
         at the step's end."""
-        outputs = next(n for n in self.graph.nodes if n.op == "output").args[0]
-        positions = [int(p) for p in bucket["edge"].partition("[")[2].partition("]")[0].split(",")]
         axis = self.plan.mesh.axis_names.index(bucket["axis"])
         flat, offset = [], 0
         for pos in positions:
-            src = outputs[pos]
+            src = self.outputs[pos]
             t = value if src is node else self.env[src]
             src_ps = self.placed[src.name][0]
             want = self._ps(self.plan.output_placements[pos])
-            changed = [d for d in range(len(want)) if src_ps[d] != want[d]]
-            if changed != [axis] or not src_ps[axis].is_partial():
+            if reduced_axis(src_ps, want) != axis:
                 raise RuntimeError(
                     f"bucket {bucket['bucket']}: output {pos} ({src.name}) is {src_ps}, to "
                     f"leave as {want}; the plan bucketed it as one all-reduce over "

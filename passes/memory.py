@@ -83,6 +83,7 @@ import torch
 from torch.distributed.tensor import Replicate
 
 from autopar.core import Plan, Recompute, Sink, StrategySpace, local_shape, parse_placements, roles
+from autopar.core.schedule import bucket_site
 
 from .layout import arena
 from .remat import COPY, storage_map
@@ -359,7 +360,8 @@ def liveness(
 
     # graph outputs live to the end (a bucketed gradient: to its bucket's issue); gradients
     # are their own category
-    issue_at = {pos: points.index(node) for pos, node in early.items()}
+    point_of = {p: i for i, p in enumerate(points)}
+    issue_at = {pos: point_of[node] for pos, node in early.items()}
     for sink in space.sinks:
         s = storage_of.get((sink.src, sink.src_out))
         if s is None:
@@ -565,11 +567,9 @@ def bucketed(plan: Plan) -> dict[int, str]:
     ``<node>->output[<positions>] (bucket k: ...)``)."""
     early: dict[int, str] = {}
     for c in plan.collectives:
-        if "bucket" not in c:
-            continue
-        src, _, rest = c["edge"].partition("->output[")
-        positions = rest.partition("]")[0]
-        early.update((int(p), src) for p in positions.split(","))
+        if "bucket" in c:
+            src, positions = bucket_site(c)
+            early.update((p, src) for p in positions)
     return early
 
 

@@ -60,7 +60,7 @@ edge's e are one-hot, which forces e to the single pair (p, q) chosen, so e need
 integrality.
 
 Overlap. A gradient's reduction that codegen issues in a bucket as soon as the bucket's
-gradients are made (one all-reduce on one axis, ``bucketable``; passes/buckets) runs beside
+gradients are made (one all-reduce on one axis, ``core.reduced_axis``; passes/buckets) runs beside
 the rest of the backward where the device overlaps collectives (CUDA), on its axis's
 stream, one bucket after another. With W every term above but the buckets' (``coef``),
 W_fwd the forward's share of it (its nodes and the edges into them, ``forward_coef``) and
@@ -74,7 +74,7 @@ beyond it. The max is not what the ILP minimizes (as a variable h >= each term i
 the objective at a share s_a (``bucket_scale``): first 1 - ``GRAD_OVERLAP`` (a quarter),
 then, solved, at the share the plan leaves unhidden, s_a = max(0, 1 - (W - W_fwd) / G_a),
 and solved again while T gets shorter, ``OVERLAP_ROUNDS`` solves at most (a round that
-does not shorten T is undone). ``Solution.objective_s`` is T. Before, a flat 75% of every
+does not shorten T is undone: one more solve, of the last plan's prices). ``Solution.objective_s`` is T. Before, a flat 75% of every
 gradient reduction counted as hidden: on Llama-3-8B over (8,8), in bf16 with float32
 gradients, ~150 ms of reductions over the inter-node axis, 110 ms of them called hidden
 behind a step of 56 ms of compute. The last bucket, issued after the last gradient, and
@@ -220,6 +220,7 @@ from autopar.core import (
     TensorInput,
     local_shape,
     placement_str,
+    reduced_axis,
     roles,
 )
 from autopar.cost_models import (
@@ -240,7 +241,6 @@ __all__ = [
     "MIP_GAP",
     "IlpBuilder",
     "SolveError",
-    "bucketable",
     "collective_s",
     "overlaps_collectives",
     "smallest_budget",
@@ -439,25 +439,6 @@ def _edge_cost(src_ps, dst_ps, shape_dtype, mesh, profile) -> float | None:
         return redistribute_time(src_ps, dst_ps, shape_dtype[0], shape_dtype[1], mesh, profile)
     except ValueError:
         return None
-
-
-def _bucket_axis(src_ps, dst_ps) -> int | None:
-    """The mesh axis of a gradient's p -> q where it is ``bucketable``, else None."""
-    if not bucketable(src_ps, dst_ps):
-        return None
-    return next(i for i, (a, b) in enumerate(zip(src_ps, dst_ps)) if a != b)
-
-
-def bucketable(src_ps, dst_ps) -> bool:
-    """Whether a gradient's p -> q is one all-reduce on one axis (Partial -> Replicate
-    there, the other axes unchanged): what passes/buckets buckets and codegen issues as
-    soon as the bucket's gradients are made."""
-    changed = [(a, b) for a, b in zip(src_ps, dst_ps) if a != b]
-    return (
-        len(changed) == 1
-        and isinstance(changed[0][0], Partial)
-        and isinstance(changed[0][1], Replicate)
-    )
 
 
 def _reduces_as(src_ps, dst_ps, reduce: str) -> bool:
@@ -768,7 +749,7 @@ class IlpBuilder:
             grad = space.roles[like] == roles.PARAM and self.profile.overlaps_collectives
             pairs = self._pair_variables(
                 labels, src, src_out, self.out_group(like, 0),
-                bucket=_bucket_axis if grad else None,
+                bucket=reduced_axis if grad else None,
             )  # fmt: skip
             self.sink_pairs.append((src, src_out, pairs, len(labels)))
 

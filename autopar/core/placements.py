@@ -31,6 +31,7 @@ __all__ = [
     "parse_placement",
     "parse_placements",
     "placement_str",
+    "reduced_axis",
 ]
 
 Placements = tuple[Placement, ...]
@@ -115,6 +116,16 @@ def local_offset(
         elif isinstance(p, _StridedShard):
             raise ValueError(f"no contiguous block for {placement_str(p)}")
     return tuple(start)
+
+
+def reduced_axis(src: Placements, dst: Placements) -> int | None:
+    """The one mesh axis on which ``src -> dst`` goes from ``Partial`` to ``Replicate``, the
+    other axes unchanged (one all-reduce: a gradient passes/buckets may bucket), else None."""
+    changed = [i for i, (a, b) in enumerate(zip(src, dst)) if a != b]
+    if len(changed) != 1:
+        return None
+    (i,) = changed
+    return i if isinstance(src[i], Partial) and isinstance(dst[i], Replicate) else None
 
 
 def contiguous_stride(shape) -> tuple[int, ...]:

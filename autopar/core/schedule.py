@@ -52,7 +52,16 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .plan import Plan
 
-__all__ = ["COMM", "COMPUTE", "Span", "edge_ends", "purpose", "schedule", "step_length"]
+__all__ = [
+    "COMM",
+    "COMPUTE",
+    "Span",
+    "bucket_site",
+    "edge_ends",
+    "purpose",
+    "schedule",
+    "step_length",
+]
 
 COMPUTE, COMM = "compute", "communication"
 
@@ -104,6 +113,13 @@ def edge_ends(edge: str) -> tuple[str, str]:
     if note == "(recomputed)":
         dst = f"recompute:{dst}"
     return src, dst
+
+
+def bucket_site(collective: dict) -> tuple[str, list[int]]:
+    """``(the node after which it is issued, its graph output positions)`` of a gradient
+    bucket's entry (passes/buckets: edge ``<node>->output[<positions>] (bucket k: ...)``)."""
+    src, _, rest = collective["edge"].partition("->output[")
+    return src, [int(p) for p in rest.partition("]")[0].split(",")]
 
 
 def _comm_span(c: dict, start: float) -> Span:
