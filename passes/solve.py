@@ -74,7 +74,8 @@ beyond it. The max is not what the ILP minimizes (as a variable h >= each term i
 the objective at a share s_a (``bucket_scale``): first 1 - ``GRAD_OVERLAP`` (a quarter),
 then, solved, at the share the plan leaves unhidden, s_a = max(0, 1 - (W - W_fwd) / G_a),
 and solved again while T gets shorter, ``OVERLAP_ROUNDS`` solves at most (a round that
-does not shorten T is undone: one more solve, of the last plan's prices). ``Solution.objective_s`` is T. Before, a flat 75% of every
+does not shorten T is undone: the last plan's solution, kept by ``IlpBuilder.hold``, is
+read again, with no solve). ``Solution.objective_s`` is T. Before, a flat 75% of every
 gradient reduction counted as hidden: on Llama-3-8B over (8,8), in bf16 with float32
 gradients, ~150 ms of reductions over the inter-node axis, 110 ms of them called hidden
 behind a step of 56 ms of compute. The last bucket, issued after the last gradient, and
@@ -134,7 +135,13 @@ that turn a Partial into anything else are left out (the cast takes the partial 
 reduction happens in the parameter's dtype, at the graph output); "before": the pairs that
 deliver a Partial into the cast are left out (it is reduced in the compute dtype, and that
 edge gets the gradient-overlap discount of a graph output). Such a cast is never merged
-(simplification 1), so that its edge exists.
+(simplification 1), so that its edge exists. For "after", the gradient's transposes and
+views between the op that makes it and the cast (``_gradient_chains``: each a following
+node, the only consumer of its input) keep a Partial the same way: their edges leave out
+the pairs that reduce one, so no reduction of the gradient runs in the compute dtype before
+the cast. (Without this, the ILP reduced Llama-3.2-1B's gradients on (2, 4) in bf16 right
+after the matmul that made them, a reduction ``reduce_dtype`` float32 forbids; the
+torchtitan TP + FSDP plan was costed 106.3 ms for it, 113.9 ms kept to float32.)
 
 Folding (passes/fold, ``StrategySpace.rep``; ``_Folding``): the instances of a folded
 region take their representative's strategy, so only representatives have variables. With
@@ -153,16 +160,24 @@ so the objective is still that of the whole graph, for plans in which every inst
 as its representative. Unfolded, r is the identity and this is the ILP above.
 
 Simplifications (each loses optimality only in the case it names):
-    1. Following nodes (Alpa's): a node that only follows its single tensor input (a view,
-       an elementwise op of one tensor, a getitem: ``_follows``) is not resharded right
-       before it when it accepts its producer's placement: pairs (p, q != p) are left out.
+    1. Following nodes (Alpa's; off unless ``merge=True``): a node that only follows its
+       single tensor input (a view, an elementwise op of one tensor, a getitem:
+       ``_follows``) is not resharded right before it when it accepts its producer's
+       placement: pairs (p, q != p) are left out.
        Where it accepts every placement its producer can give, it is merged into the
        producer (``IlpBuilder.merge_source``): no variables and no edge of its own,
        x[v,k] = Y[u, ins_k], and C[v,k] is added to the producer's variables that give
        ins_k (folded: when every instance of v follows an instance of one representative
-       u). Loses where resharding right before such a node beats resharding later; on the
-       zoo's GPT (2 layers, (2, 2), H100) both give the same objective
-       (tests/unit/test_fold.py::test_merging_following_nodes_keeps_the_optimum).
+       u). Loses where resharding right before such a node beats resharding later: where
+       the node's output has several consumers (a weight's transpose, read by the
+       forward's and the backward's matmul, gathered once before it, not once per
+       consumer), and where a change of two mesh axes is made as two one-axis changes,
+       one on each side of it (simplification 2 allows no other way). Measured on
+       Llama-3.2-1B, (2, 4), H100, bf16 mixed precision: 111.7 ms merged, 106.1 ms
+       without (the ILP 6.7 s and 45k variables merged, 10.9 s and 78k without);
+       Llama-3-8B on (8, 8): 194.5 ms and 194.1 ms, 21.5 s of planning without. So it is
+       off by default; on the zoo's GPT (2 layers, (2, 2), H100) both give the same
+       objective (tests/unit/test_fold.py::test_merging_following_nodes_keeps_the_optimum).
     2. One axis per edge: an edge between two operators changes the placement on at most
        ``reshard_axes`` mesh axes (default 1); pairs differing on more axes are left out
        (graph outputs, e.g. a gradient all-reduced over every axis, keep all pairs). On a
@@ -212,6 +227,7 @@ from torch.utils._pytree import tree_map
 
 from autopar.core import (
     Collective,
+    Edge,
     Mesh,
     Recompute,
     Solution,
@@ -427,6 +443,34 @@ def _follows(space: StrategySpace, name: str) -> bool:
     return len({s.ins[0] for s in strats}) == len(strats)
 
 
+def _gradient_chains(space: StrategySpace) -> set[str]:
+    """The following nodes between the op that makes a parameter's gradient and its cast
+    whose ``reduce_at`` is "after" (a transpose or view of the gradient, each the only
+    consumer of its input): the edges into them keep a Partial unreduced, as the edge into
+    the cast does ("Mixed precision")."""
+    uses: dict[tuple[str, int], int] = defaultdict(int)
+    into: dict[str, list[Edge]] = defaultdict(list)
+    for e in space.edges:
+        uses[(e.src, e.src_out)] += 1
+        into[e.dst].append(e)
+    for sink in space.sinks:
+        uses[(sink.src, sink.src_out)] += 1
+    chain: set[str] = set()
+    for cast, side in space.reduce_at.items():
+        if side != "after" or len(into[cast]) != 1:
+            continue
+        e = into[cast][0]
+        while (
+            uses[(e.src, e.src_out)] == 1
+            and len(into[e.src]) == 1
+            and _follows(space, e.src)
+            and space.roles.get(e.src) not in _STATE_ROLES
+        ):
+            chain.add(e.src)
+            e = into[e.src][0]
+    return chain
+
+
 def _edge_cost(src_ps, dst_ps, shape_dtype, mesh, profile) -> float | None:
     """R(p, q) in seconds; None where DTensor cannot redistribute p -> q."""
     if src_ps == dst_ps:
@@ -508,7 +552,7 @@ class IlpBuilder:
         profile: DeviceProfile,
         *,
         solver: str,
-        merge: bool = True,
+        merge: bool = False,
         reshard_axes: int | None = 1,
         optimizer: str = "adamw",
     ):
@@ -539,6 +583,7 @@ class IlpBuilder:
         self.bucket_scale: dict[int, float] = {}
         self.node_cost: dict[str, list[float]] = {}
         self.merged: set[str] = set()
+        self.chain = _gradient_chains(space)
         self.edge_terms: list[_EdgeTerm] = []
         # (r(u), output, r(v), input) -> its pairs (e, p, q): where collective buffers live
         self.pairs: dict[tuple, list[tuple[Any, tuple, tuple]]] = {}
@@ -552,6 +597,9 @@ class IlpBuilder:
         # fold group -> (r, t, its recompute time: node part, edge part) ("Checkpointing")
         self.remat: dict[str, tuple[Any, Any, dict, dict]] = {}
         self._active: dict | None = None
+        # a solution kept by ``hold`` (variable index -> value; objective, best bound),
+        # read in place of the solver's until the next solve
+        self.held: tuple[list[float], float, float] | None = None
         self.lv: Liveness | None = None  # the liveness the memory cuts are made on
 
     # -- margins ---------------------------------------------------------------------------
@@ -703,13 +751,14 @@ class IlpBuilder:
             q_edges[(f.rep(e.src), e.src_out, f.rep(e.dst), e.dst_in)].append(f"{e.src}->{e.dst}")
         for key, labels in q_edges.items():
             src, src_out, dst, dst_in = key
-            reduce = space.reduce_at.get(dst)
+            cast = space.reduce_at.get(dst)
+            reduce = "after" if cast is None and dst in self.chain else cast
             self.pairs[key] = self._pair_variables(
                 labels,
                 src,
                 src_out,
                 self.in_group(dst, dst_in),
-                follow=self.merge and _follows(space, dst) and reduce is None,
+                follow=self.merge and _follows(space, dst) and cast is None,
                 max_axes=self.reshard_axes,
                 reduce=reduce,
                 forward=space.roles[dst] != roles.BACKWARD,
@@ -878,7 +927,7 @@ class IlpBuilder:
 
     def recomputed(self) -> set[str]:
         """The fold groups the solver checkpointed."""
-        return {g for g, (r, *_) in self.remat.items() if r.solution_value() > 0.5}
+        return {g for g, (r, *_) in self.remat.items() if self.value(r) > 0.5}
 
     def memory_cut(self, lv: Liveness, i: int, bound) -> None:
         """bytes(i) <= bound (bytes, or a variable in MiB): one point of the step bounded."""
@@ -930,7 +979,7 @@ class IlpBuilder:
         def value(part: dict) -> float:
             return (
                 sum(
-                    c * (v.solution_value() if v.index() in times else round(v.solution_value()))
+                    c * (self.value(v) if v.index() in times else round(self.value(v)))
                     for v, c in part.items()
                 )
                 / _SCALE
@@ -947,11 +996,32 @@ class IlpBuilder:
 
     # -- reading back ------------------------------------------------------------------------
 
+    def value(self, v) -> float:
+        """Variable ``v`` in the solution: the last solve's, or the one ``restore`` set."""
+        return v.solution_value() if self.held is None else self.held[0][v.index()]
+
+    def objective_value(self) -> tuple[float, float]:
+        """The solution's objective and the solver's best bound, in the objective's units."""
+        if self.held is not None:
+            return self.held[1], self.held[2]
+        obj = self.lp.Objective()
+        return obj.Value(), obj.BestBound()
+
+    def hold(self) -> tuple[list[float], float, float]:
+        """The solution as it stands, to ``restore`` after a later solve."""
+        if self.held is not None:
+            return self.held
+        return ([v.solution_value() for v in self.lp.variables()], *self.objective_value())
+
+    def restore(self, held: tuple[list[float], float, float]) -> None:
+        """Read ``held`` as the solution (no solve)."""
+        self.held = held
+
     def choice(self) -> dict[str, int]:
         """Node name -> the index of the strategy the solver set (every node)."""
         rep_choice = {}
         for name, vs in self.x.items():
-            vals = [sum(v.solution_value() for v in group) for group in vs]
+            vals = [sum(self.value(v) for v in group) for group in vs]
             rep_choice[name] = max(range(len(vals)), key=lambda k: vals[k])
         return {name: rep_choice[self.folding.rep(name)] for name in self.space.order}
 
@@ -1055,6 +1125,7 @@ def forbid_choice(ilp: IlpBuilder, choice: Sequence[tuple[str, str]]) -> None:
 
 
 def _run(ilp: IlpBuilder, time_limit_s: float, mip_gap: float) -> int:
+    ilp.held = None
     ilp.lp.SetTimeLimit(int(time_limit_s * 1000))
     params = pywraplp.MPSolverParameters()
     params.SetDoubleParam(params.RELATIVE_MIP_GAP, mip_gap)
@@ -1080,9 +1151,7 @@ def read_solution(ilp: IlpBuilder, status: int, stats: dict, time_limit_s: float
     comm_s = 0.0
     for t in ilp.edge_terms:
         var = t.var
-        val = (
-            sum(v.solution_value() for v in var) if isinstance(var, list) else var.solution_value()
-        )
+        val = sum(ilp.value(v) for v in var) if isinstance(var, list) else ilp.value(var)
         if val > 0.5:
             comm_s += t.cost_s * len(t.labels)
             colls = redistribute_collectives(
@@ -1100,11 +1169,9 @@ def read_solution(ilp: IlpBuilder, status: int, stats: dict, time_limit_s: float
     recompute_s = 0.0
     for g in sorted(chosen):
         _, _, nodes, edges = ilp.remat[g]
-        compute_s += sum(c * v.solution_value() for v, c in nodes.items()) / _SCALE
-        comm_s += sum(c * v.solution_value() for v, c in edges.items()) / _SCALE
-        recompute_s += sum(
-            c * v.solution_value() for part in (nodes, edges) for v, c in part.items()
-        )
+        compute_s += sum(c * ilp.value(v) for v, c in nodes.items()) / _SCALE
+        comm_s += sum(c * ilp.value(v) for v, c in edges.items()) / _SCALE
+        recompute_s += sum(c * ilp.value(v) for part in (nodes, edges) for v, c in part.items())
         for rec in ilp.lv.groups[g] if ilp.lv is not None else ():
             recompute.append(rec)
             collectives.extend(_recomputed_collectives(ilp, rec))
@@ -1114,8 +1181,7 @@ def read_solution(ilp: IlpBuilder, status: int, stats: dict, time_limit_s: float
         extra["recompute_s"] = recompute_s / _SCALE
         extra["recomputed_layers"] = len(recompute)
     if status != pywraplp.Solver.OPTIMAL:
-        objective = ilp.lp.Objective()
-        incumbent, bound = objective.Value() / _SCALE, objective.BestBound() / _SCALE
+        incumbent, bound = (v / _SCALE for v in ilp.objective_value())
         gap = (incumbent - bound) / incumbent if incumbent > 0 else 0.0
         extra = {"incumbent": incumbent, "best_bound": bound, "gap": gap}
         warnings.append(
@@ -1157,7 +1223,7 @@ def _recomputed_collectives(ilp: IlpBuilder, rec: Recompute) -> list[tuple[str, 
     for n in rec.nodes:
         for j, (src, so) in enumerate(space.in_sources[n]):
             for ev, p, q in ilp.pairs.get((rep(src), so, rep(n), j), ()):
-                if p == q or ev.solution_value() < 0.5:
+                if p == q or ilp.value(ev) < 0.5:
                     continue
                 shape, dtype = space.tensor(src, so)
                 for coll in redistribute_collectives(p, q, shape, dtype, space.mesh.shape):
@@ -1300,7 +1366,7 @@ def solve(
     memory_fraction: float | None = None,
     optimizer: str = "adamw",
     reshard_axes: int | None = 1,
-    merge: bool = True,
+    merge: bool = False,
     mip_gap: float = MIP_GAP,
     checkpointing: bool = True,
     forbid: Sequence[Sequence[tuple[str, str]]] = (),
@@ -1316,8 +1382,9 @@ def solve(
     running the whole step (the plan that replicates everything).
     ``reshard_axes``: the most mesh axes an edge between two operators may change at once
     (None: no limit); graph outputs may always change every axis.
-    ``merge``: simplification 1 (following nodes); False gives every node its own variables
-    and every edge all its pairs.
+    ``merge``: simplification 1 (following nodes: a smaller ILP that can lose, module
+    docstring); False (the default) gives every node its own variables and every edge
+    all its pairs.
     ``mip_gap``: stop once the incumbent is within this fraction of the best bound.
     ``checkpointing``: the solver may recompute layers' activations in the backward where
     the budget binds ("Checkpointing"); False keeps every activation.
@@ -1367,14 +1434,15 @@ def solve(
             held = {a: ilp.bucket_scale.get(a, 1.0 - GRAD_OVERLAP) for a in scales}
             if all(abs(scales[a] - held[a]) < 0.05 for a in scales):
                 break
+            solution = ilp.hold()
             ilp.bucket_scale = scales
             ilp.objective()
             new_status, new_report = once(ilp)
             new_step, new_scales = ilp.overlap() if _solved(new_status) else (math.inf, {})
-            if new_step >= step * (1 - 1e-6):  # no shorter: back to the last plan
+            if new_step >= step * (1 - 1e-6):  # no shorter: back to the last plan, as held
                 ilp.bucket_scale = held
                 ilp.objective()
-                status, report = once(ilp)
+                ilp.restore(solution)
                 break
             status, report, step, scales = new_status, new_report, new_step, new_scales
         return ilp, status, report
@@ -1388,7 +1456,7 @@ def solve(
     t0 = time.perf_counter()
     ilp, status, report = attempt(options)
     exact = dict(options, merge=False, reshard_axes=space.mesh.ndim)
-    retried = False
+    retried: list[str] = []
     if (pins or frozen or forbid) and status == pywraplp.Solver.INFEASIBLE and exact != options:
         # NOTE: the simplifications (module docstring) leave out pairs that a constrained
         # plan may need (a pinned parameter resharded on two axes into its consumer, a
@@ -1396,7 +1464,9 @@ def solve(
         # because of them, so the exact ILP is asked before saying no
         log.info("the constraints admit no plan of the simplified ILP: solving it exactly")
         ilp, status, report = attempt(exact)
-        options, retried = exact, True
+        retried = ["right before a following node"] if options["merge"] else []
+        retried.append("on several axes at once")
+        options = exact
     ilp_s = round(time.perf_counter() - t0, 6)
     if status == pywraplp.Solver.NOT_SOLVED:
         raise SolveError(
@@ -1433,8 +1503,8 @@ def solve(
     if retried:
         stats["exact_ilp"] = True
         warnings.append(
-            "the constraints admit no plan without resharding right before a following node "
-            "or on several axes at once: solved without those simplifications"
+            f"the constraints admit no plan without resharding {' or '.join(retried)}: "
+            f"solved without {'those simplifications' if len(retried) > 1 else 'that simplification'}"
         )
     if budget is not None:
         stats.update(memory_budget=int(budget), memory_cuts=len(ilp.cuts))

@@ -1,4 +1,5 @@
-"""The solver on small hand-made strategy spaces whose optimum is known.
+"""The solver on small hand-made strategy spaces whose optimum is known, and on one traced
+Llama layer where its options change the plan.
 
 Two chained matmuls ``y = (x @ w1) @ w2`` with a replicated loss: each matmul may run
 replicated, column-parallel (``R, S(1) -> S(1)``), row-parallel (``S(1), S(0) -> P``) and,
@@ -9,9 +10,11 @@ solver uses, and the solver must find it.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import re
+import warnings
 
 import pytest
 import torch
@@ -19,9 +22,13 @@ from ortools.linear_solver import pywraplp
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 import autopar.passes.solve as solve_pass
-from autopar.core import Edge, Mesh, Sink, Strategy, StrategySpace, TensorInput
+from autopar.core import Edge, Mesh, MixedPrecision, Sink, Strategy, StrategySpace, TensorInput
 from autopar.cost_models import compute_time, get_profile, redistribute_time
-from autopar.passes.solve import SolveError, solve
+from autopar.models import hf_llama, hf_logits_loss, lm_batch
+from autopar.passes.fold import fold_regions
+from autopar.passes.solve import SolveError, build_ilp, solve
+from autopar.passes.strategies import build_strategies
+from autopar.passes.trace import trace_step
 
 R, S0, S1, P = Replicate(), Shard(0), Shard(1), Partial()
 MM = torch.ops.aten.mm.default
@@ -211,3 +218,70 @@ def test_no_plan_within_the_time_limit_is_an_error_that_says_so(monkeypatch):
     with pytest.raises(SolveError, match="no plan within its time limit of 3 s") as e:
         solve(space, time_limit_s=3, memory_budget=1e12)
     assert "raise time_limit_s" in str(e.value) and "memory" not in str(e.value).split(":")[0]
+
+
+def test_a_held_solution_is_read_after_a_later_solve():
+    # the overlap rounds undo a round by reading the last plan again, not by solving again
+    space = _space(batch=64, hidden=1024, ffn=4096, data_parallel=False)
+    ilp = build_ilp(space, get_profile("h100"), solver="HIGHS")
+    assert solve_pass._solved(solve_pass._run(ilp, 60, 0.0))
+    first, held = ilp.choice(), ilp.hold()
+    (value, bound), h_vars = ilp.objective_value(), ilp.x["h"]
+    # price the chosen strategy of h out of reach: the next solve picks another
+    ilp.objective({**ilp.coef, **{v: 1e9 for v in h_vars[first["h"]]}})
+    assert solve_pass._solved(solve_pass._run(ilp, 60, 0.0))
+    assert ilp.choice()["h"] != first["h"]
+    ilp.restore(held)
+    assert ilp.choice() == first and ilp.objective_value() == (value, bound)
+    solve_pass._run(ilp, 60, 0.0)  # a solve reads its own solution again
+    assert ilp.held is None and ilp.choice()["h"] != first["h"]
+
+
+@pytest.fixture(scope="module")
+def llama_layer() -> StrategySpace:
+    """One Llama layer in bf16 with float32 gradients (``reduce_dtype``) on 4 CPU ranks:
+    gloo hides no reduction, so a gradient reduced in bf16 would cost half as much."""
+    with torch.device("meta"):
+        model = hf_llama(layers=1, hidden=256, heads=8, kv_heads=2, ffn=1024, vocab=512, seq=256)
+    tokens, targets = lm_batch(512, 8, 256, device="meta")
+    with contextlib.ExitStack() as stack, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        step = trace_step(
+            model, (tokens,), loss_fn=hf_logits_loss, example_targets=(targets,), stack=stack,
+            mp_policy=MixedPrecision(torch.bfloat16, reduce_dtype=torch.float32),
+        )  # fmt: skip
+        return build_strategies(step, Mesh((4,), ("dp",), device="cpu"), folded=fold_regions(step))
+
+
+def test_gradients_are_reduced_in_the_reduce_dtype(llama_layer, monkeypatch):
+    chain = solve_pass._gradient_chains(llama_layer)
+    # a weight's gradient: mm -> t -> cast to float32; a norm's: sum -> view -> cast
+    assert {llama_layer.targets[n] for n in chain} >= {
+        torch.ops.aten.t.default,
+        torch.ops.aten.view.default,
+    }
+
+    def reduced_before_the_cast(sol):
+        return [
+            label
+            for label, c, _ in sol.collectives
+            if label.split("->")[1].split(" ")[0] in chain
+            and c.kind in ("all_reduce", "reduce_scatter")
+        ]
+
+    sol = solve(llama_layer)
+    assert not reduced_before_the_cast(sol)
+    assert any("->output[" in label and c.kind == "all_reduce" for label, c, _ in sol.collectives)
+    # without the chains the solver reduces in bf16, before the cast, at half the bytes
+    monkeypatch.setattr(solve_pass, "_gradient_chains", lambda space: set())
+    loose = solve(llama_layer)
+    assert reduced_before_the_cast(loose)
+    assert loose.objective_s < sol.objective_s
+
+
+def test_the_exact_ilp_is_the_default_and_merging_loses_here(llama_layer):
+    exact = solve(llama_layer)
+    merged = solve(llama_layer, merge=True)
+    assert exact.stats["merged_nodes"] == 0 < merged.stats["merged_nodes"]
+    assert merged.stats["variables"] < exact.stats["variables"]
+    assert exact.objective_s < 0.99 * merged.objective_s
