@@ -160,24 +160,24 @@ so the objective is still that of the whole graph, for plans in which every inst
 as its representative. Unfolded, r is the identity and this is the ILP above.
 
 Simplifications (each loses optimality only in the case it names):
-    1. Following nodes (Alpa's; off unless ``merge=True``): a node that only follows its
-       single tensor input (a view, an elementwise op of one tensor, a getitem:
-       ``_follows``) is not resharded right before it when it accepts its producer's
-       placement: pairs (p, q != p) are left out.
+    1. Following nodes (Alpa's; ``merge``): a node that only follows its single tensor
+       input (a view, an elementwise op of one tensor, a getitem: ``_follows``) and whose
+       output has one consumer (``IlpBuilder._following``) is not resharded right before
+       it when it accepts its producer's placement: pairs (p, q != p) are left out.
        Where it accepts every placement its producer can give, it is merged into the
        producer (``IlpBuilder.merge_source``): no variables and no edge of its own,
        x[v,k] = Y[u, ins_k], and C[v,k] is added to the producer's variables that give
        ins_k (folded: when every instance of v follows an instance of one representative
-       u). Loses where resharding right before such a node beats resharding later: where
-       the node's output has several consumers (a weight's transpose, read by the
-       forward's and the backward's matmul, gathered once before it, not once per
-       consumer), and where a change of two mesh axes is made as two one-axis changes,
-       one on each side of it (simplification 2 allows no other way). Measured on
-       Llama-3.2-1B, (2, 4), H100, bf16 mixed precision: 111.7 ms merged, 106.1 ms
-       without (the ILP 6.7 s and 45k variables merged, 10.9 s and 78k without);
-       Llama-3-8B on (8, 8): 194.5 ms and 194.1 ms, 21.5 s of planning without. So it is
-       off by default; on the zoo's GPT (2 layers, (2, 2), H100) both give the same
-       objective (tests/unit/test_fold.py::test_merging_following_nodes_keeps_the_optimum).
+       u). Loses where resharding right before such a node beats resharding later. A node
+       read by several consumers is left out of it: resharded before it, its output is
+       resharded once, not once per consumer (a weight's transpose, read by the forward's
+       and the backward's matmul, is gathered once). Llama-3.2-1B on (2, 4), H100, bf16
+       mixed precision: 111.7 ms when those were merged, 108.4 ms not, 106.1 ms with no
+       merging at all (the ILP: 45k, 56k and 78k variables; 6.7 s, 8.1 s and 15.5 s); what
+       is left is a change of two mesh axes made as two one-axis changes, one on each side
+       of a following node (simplification 2 allows no other way). ``merge=False`` solves
+       without it. On the zoo's GPT (2 layers, (2, 2), H100) both give the same objective
+       (tests/unit/test_fold.py::test_merging_following_nodes_keeps_the_optimum).
     2. One axis per edge: an edge between two operators changes the placement on at most
        ``reshard_axes`` mesh axes (default 1); pairs differing on more axes are left out
        (graph outputs, e.g. a gradient all-reduced over every axis, keep all pairs). On a
@@ -552,7 +552,7 @@ class IlpBuilder:
         profile: DeviceProfile,
         *,
         solver: str,
-        merge: bool = False,
+        merge: bool = True,
         reshard_axes: int | None = 1,
         optimizer: str = "adamw",
     ):
@@ -584,6 +584,13 @@ class IlpBuilder:
         self.node_cost: dict[str, list[float]] = {}
         self.merged: set[str] = set()
         self.chain = _gradient_chains(space)
+        # nodes whose output has several consumers (a following one is not merged)
+        uses: dict[str, int] = defaultdict(int)
+        for e in space.edges:
+            uses[e.src] += 1
+        for sink in space.sinks:
+            uses[sink.src] += 1
+        self.shared = {n for n, k in uses.items() if k > 1}
         self.edge_terms: list[_EdgeTerm] = []
         # (r(u), output, r(v), input) -> its pairs (e, p, q): where collective buffers live
         self.pairs: dict[tuple, list[tuple[Any, tuple, tuple]]] = {}
@@ -627,10 +634,15 @@ class IlpBuilder:
             return None
         if self.space.roles.get(name) in _STATE_ROLES or name in self.space.reduce_at:
             return None
-        if not _follows(self.space, name):
+        if not self._following(name):
             return None
         srcs = self.folding.qsrc[name]
         return srcs[0] if srcs is not None and len(srcs) == 1 else None
+
+    def _following(self, name: str) -> bool:
+        """Simplification 1 applies to ``name``: it follows its input and its output has
+        one consumer."""
+        return name not in self.shared and _follows(self.space, name)
 
     def node_variables(self) -> None:
         """x[v,k] with sum_k x[v,k] = 1 for every representative, and C[v,k] * n_v.
@@ -758,7 +770,7 @@ class IlpBuilder:
                 src,
                 src_out,
                 self.in_group(dst, dst_in),
-                follow=self.merge and _follows(space, dst) and cast is None,
+                follow=self.merge and cast is None and self._following(dst),
                 max_axes=self.reshard_axes,
                 reduce=reduce,
                 forward=space.roles[dst] != roles.BACKWARD,
@@ -1366,7 +1378,7 @@ def solve(
     memory_fraction: float | None = None,
     optimizer: str = "adamw",
     reshard_axes: int | None = 1,
-    merge: bool = False,
+    merge: bool = True,
     mip_gap: float = MIP_GAP,
     checkpointing: bool = True,
     forbid: Sequence[Sequence[tuple[str, str]]] = (),
@@ -1383,8 +1395,7 @@ def solve(
     ``reshard_axes``: the most mesh axes an edge between two operators may change at once
     (None: no limit); graph outputs may always change every axis.
     ``merge``: simplification 1 (following nodes: a smaller ILP that can lose, module
-    docstring); False (the default) gives every node its own variables and every edge
-    all its pairs.
+    docstring); False gives every node its own variables and every edge all its pairs.
     ``mip_gap``: stop once the incumbent is within this fraction of the best bound.
     ``checkpointing``: the solver may recompute layers' activations in the backward where
     the budget binds ("Checkpointing"); False keeps every activation.

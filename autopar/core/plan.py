@@ -563,13 +563,13 @@ _WIDTH = 120
 
 def _one_line(obj, flat: str, depth: int) -> bool:
     """Whether ``_lines`` keeps ``obj`` on one line: a scalar; a list of scalars (a memory
-    timeline); a record (a dict of at most 10 keys, none holding a dict: a node's choice,
-    a collective); anything that fits in ``_WIDTH`` columns."""
+    timeline); a record (a dict of at most 16 keys, none holding a dict: a node's choice,
+    a collective, a gradient bucket's 13); anything that fits in ``_WIDTH`` columns."""
     if not isinstance(obj, (dict, list)) or len(flat) + depth <= _WIDTH:
         return True
     if isinstance(obj, list):
         return all(not isinstance(v, (dict, list)) for v in obj)
-    return len(obj) <= 10 and not any(isinstance(v, dict) for v in obj.values())
+    return len(obj) <= 16 and not any(isinstance(v, dict) for v in obj.values())
 
 
 def _lines(obj, depth: int) -> list[str]:

@@ -247,9 +247,8 @@ def test_merging_following_nodes_keeps_the_optimum():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             space = build_strategies(step, mesh, folded=fold_regions(step))
-    # merging is off by default (passes/solve, simplification 1); on this graph it loses nothing
-    merged = solve(space, merge=True, mip_gap=0.0)
-    exact = solve(space, mip_gap=0.0)
+    merged = solve(space, mip_gap=0.0)
+    exact = solve(space, merge=False, mip_gap=0.0)
     assert merged.stats["merged_nodes"] > 0 and exact.stats["merged_nodes"] == 0
     assert merged.stats["variables"] < exact.stats["variables"]
     assert merged.objective_s == pytest.approx(exact.objective_s, rel=1e-9)
