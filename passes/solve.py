@@ -443,18 +443,24 @@ def _follows(space: StrategySpace, name: str) -> bool:
     return len({s.ins[0] for s in strats}) == len(strats)
 
 
-def _gradient_chains(space: StrategySpace) -> set[str]:
+def _consumers(space: StrategySpace) -> dict[tuple[str, int], int]:
+    """How many edges and graph outputs read each node's output, by ``(node, output)``."""
+    uses: dict[tuple[str, int], int] = defaultdict(int)
+    for e in space.edges:
+        uses[(e.src, e.src_out)] += 1
+    for sink in space.sinks:
+        uses[(sink.src, sink.src_out)] += 1
+    return uses
+
+
+def _gradient_chains(space: StrategySpace, uses: dict[tuple[str, int], int]) -> set[str]:
     """The following nodes between the op that makes a parameter's gradient and its cast
     whose ``reduce_at`` is "after" (a transpose or view of the gradient, each the only
     consumer of its input): the edges into them keep a Partial unreduced, as the edge into
     the cast does ("Mixed precision")."""
-    uses: dict[tuple[str, int], int] = defaultdict(int)
     into: dict[str, list[Edge]] = defaultdict(list)
     for e in space.edges:
-        uses[(e.src, e.src_out)] += 1
         into[e.dst].append(e)
-    for sink in space.sinks:
-        uses[(sink.src, sink.src_out)] += 1
     chain: set[str] = set()
     for cast, side in space.reduce_at.items():
         if side != "after" or len(into[cast]) != 1:
@@ -583,14 +589,10 @@ class IlpBuilder:
         self.bucket_scale: dict[int, float] = {}
         self.node_cost: dict[str, list[float]] = {}
         self.merged: set[str] = set()
-        self.chain = _gradient_chains(space)
+        uses = _consumers(space)
+        self.chain = _gradient_chains(space, uses)
         # nodes whose output has several consumers (a following one is not merged)
-        uses: dict[str, int] = defaultdict(int)
-        for e in space.edges:
-            uses[e.src] += 1
-        for sink in space.sinks:
-            uses[sink.src] += 1
-        self.shared = {n for n, k in uses.items() if k > 1}
+        self.shared = {n for (n, _), k in uses.items() if k > 1}
         self.edge_terms: list[_EdgeTerm] = []
         # (r(u), output, r(v), input) -> its pairs (e, p, q): where collective buffers live
         self.pairs: dict[tuple, list[tuple[Any, tuple, tuple]]] = {}

@@ -254,7 +254,7 @@ def llama_layer() -> StrategySpace:
 
 
 def test_gradients_are_reduced_in_the_reduce_dtype(llama_layer, monkeypatch):
-    chain = solve_pass._gradient_chains(llama_layer)
+    chain = solve_pass._gradient_chains(llama_layer, solve_pass._consumers(llama_layer))
     # a weight's gradient: mm -> t -> cast to float32; a norm's: sum -> view -> cast
     assert {llama_layer.targets[n] for n in chain} >= {
         torch.ops.aten.t.default,
@@ -274,7 +274,7 @@ def test_gradients_are_reduced_in_the_reduce_dtype(llama_layer, monkeypatch):
     assert not reduced_before_the_cast(sol)
     assert any("->output[" in label and c.kind == "all_reduce" for label, c, _ in sol.collectives)
     # without the chains the solver reduces in bf16, before the cast, at half the bytes
-    monkeypatch.setattr(solve_pass, "_gradient_chains", lambda space: set())
+    monkeypatch.setattr(solve_pass, "_gradient_chains", lambda space, uses: set())
     loose = solve(llama_layer, merge=False)
     assert reduced_before_the_cast(loose)
     assert loose.objective_s < sol.objective_s
