@@ -140,8 +140,9 @@ views between the op that makes it and the cast (``_gradient_chains``: each a fo
 node, the only consumer of its input) keep a Partial the same way: their edges leave out
 the pairs that reduce one, so no reduction of the gradient runs in the compute dtype before
 the cast. (Without this, the ILP reduced Llama-3.2-1B's gradients on (2, 4) in bf16 right
-after the matmul that made them, a reduction ``reduce_dtype`` float32 forbids; the
-torchtitan TP + FSDP plan was costed 106.3 ms for it, 113.9 ms kept to float32.)
+after the matmul that made them, a reduction ``reduce_dtype`` float32 forbids: the
+torchtitan TP + FSDP plan, solved without merging, was costed 106.3 ms for it, 113.9 ms
+kept to float32.)
 
 Folding (passes/fold, ``StrategySpace.rep``; ``_Folding``): the instances of a folded
 region take their representative's strategy, so only representatives have variables. With
