@@ -31,8 +31,9 @@ a moderate size).
 
 At scale, for planning only (built on the meta device, no weights): ``llama3_8b`` (Llama-3-8B:
 32 layers, hidden 4096, ffn 14336, 32 heads, 8 kv heads, vocab 128256) and ``gpt3`` (a
-GPT-3-175B-like decoder: 96 layers, hidden 12288, 96 heads, ffn 49152); both at sequence
-2048, batch 8 (examples ``llama3-8b`` and ``gpt3``).
+GPT-3-175B-like decoder: 96 layers, hidden 12288, 96 heads, ffn 49152, attention by
+``F.scaled_dot_product_attention``); both at sequence 2048, batch 8 (examples ``llama3-8b``
+and ``gpt3``).
 """
 
 from __future__ import annotations
@@ -97,12 +98,16 @@ class GPTConfig:
     ffn: int = 256
     tied: bool = False
     """The LM head shares the token embedding's weight."""
+    sdpa: bool = False
+    """Attention by ``F.scaled_dot_product_attention`` (a fused kernel, as large models are
+    trained); otherwise written out (scores, mask, softmax), each op planned on its own."""
 
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.heads = cfg.heads
+        self.sdpa = cfg.sdpa
         self.q = nn.Linear(cfg.hidden, cfg.hidden)
         self.k = nn.Linear(cfg.hidden, cfg.hidden)
         self.v = nn.Linear(cfg.hidden, cfg.hidden)
@@ -116,6 +121,9 @@ class CausalSelfAttention(nn.Module):
             return t.view(B, S, self.heads, D).transpose(1, 2)
 
         q, k, v = split(self.q(x_BSH)), split(self.k(x_BSH)), split(self.v(x_BSH))
+        if self.sdpa:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.o(y.transpose(1, 2).reshape(B, S, H))
         scores = (q @ k.transpose(-2, -1)) / math.sqrt(D)
         mask = torch.ones(S, S, dtype=torch.bool, device=x_BSH.device).tril()
         scores = scores.masked_fill(~mask, float("-inf"))
@@ -674,8 +682,10 @@ def llama3_1b(layers: int = 16, seq: int = 2048) -> nn.Module:
 
 
 def gpt3(layers: int = 96, seq: int = 2048) -> nn.Module:
-    """A GPT-3-175B-like decoder (vocab padded to 50304) on the meta device."""
-    cfg = GPTConfig(vocab=50304, seq=seq, hidden=12288, heads=96, layers=layers, ffn=49152)
+    """A GPT-3-175B-like decoder (vocab padded to 50304, fused attention) on the meta device."""
+    cfg = GPTConfig(
+        vocab=50304, seq=seq, hidden=12288, heads=96, layers=layers, ffn=49152, sdpa=True
+    )
     with torch.device("meta"):
         return GPT(cfg)
 

@@ -122,3 +122,18 @@ class _ParamUpdater(nn.Module):
 def test_a_parameter_updated_in_place_is_a_clear_error():
     with pytest.raises(TraceError, match="in place"):
         _trace(_ParamUpdater(), (torch.randn(2, 4),), mse_loss, (torch.randn(2, 4),))
+
+
+def test_gpt_with_fused_attention_traces_one_attention_node_and_equals_written_out():
+    cfg = GPTConfig(layers=1, hidden=32, heads=2, ffn=64, vocab=64, seq=8)
+    torch.manual_seed(0)
+    written = GPT(cfg).double()
+    fused = GPT(GPTConfig(**{**cfg.__dict__, "sdpa": True})).double()
+    fused.load_state_dict(written.state_dict())
+    tokens, targets = lm_batch(cfg.vocab, 2, cfg.seq)
+    # the same model: the fused kernel is the written-out attention, causal mask included
+    torch.testing.assert_close(fused(tokens), written(tokens), rtol=1e-12, atol=1e-12)
+    step = _trace(fused, (tokens,), cross_entropy_loss, (targets,))
+    targets_seen = [n.target for n in step.gm.graph.nodes if n.op == "call_function"]
+    assert targets_seen.count(torch.ops.autopar.sdpa.default) == 1
+    assert torch.ops.aten._softmax.default not in targets_seen
