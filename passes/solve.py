@@ -1361,8 +1361,8 @@ def _budget_error(
     return SolveError(
         f"no plan fits the memory budget of {budget / _MIB:.1f} MiB per rank (the step's "
         f"peak, {least.optimizer} state included): the smallest budget that fits is "
-        f"{least.peak_bytes / _MIB:.1f} MiB ({least.peak_bytes} bytes), where "
-        f"{top.replace('_', ' ')} dominate ({least.at_peak[top] / _MIB:.1f} MiB at node "
+        f"{least.peak_bytes / _MIB:.1f} MiB ({least.peak_bytes} bytes), whose largest part "
+        f"is {top.replace('_', ' ')} ({least.at_peak[top] / _MIB:.1f} MiB at node "
         f"{least.peak_node}); raise the budget to at least that, "
         + ("or use a larger mesh" if checkpointing else "allow checkpointing, or use a larger mesh")
     )

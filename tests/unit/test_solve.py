@@ -189,7 +189,7 @@ def test_an_impossible_budget_names_the_smallest_feasible_one():
         solve(space, memory_budget=least - 1024)  # above the solver's tolerance (~0.1 byte)
     (named,) = re.findall(r"\((\d+) bytes\)", str(e.value))
     assert int(named) == least
-    assert "optimizer state dominate" in str(e.value)  # 2 of every 3 weight bytes
+    assert "largest part is optimizer state" in str(e.value)  # 2 of every 3 weight bytes
     # and that budget is feasible
     solve(space, memory_budget=least)
 
