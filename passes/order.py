@@ -45,6 +45,19 @@ traced units (a traced prefix is closed under dependencies, so each window is or
 alone). Only the peak matters: the segment at the peak is searched, then the one at the
 new peak, until the segment at the peak gains nothing; the others keep the traced order.
 
+Bound. The same reasoning bounds every order from below. Before a key point, the set run
+is fixed, so the bytes while it runs are the same in every order; after the whole forward,
+live(forward) is held in every order into the first backward node. Both are computed
+under the search's model, where a storage is freed once its last searched reader has run
+and a source node runs at its first reader: an order of the step's nodes frees no storage
+sooner and runs no source later, so its bytes at those points are at least these. Their
+maximum, ``stats["bound_bytes"]``, is at most the least peak any order running the
+forward first can reach; where it equals the traced order's peak, no order lowers the
+peak. Where the search ends at a key point, or at a segment it searched exactly without
+cutting it into windows, that segment's peak is the least any order can give it, and the
+step's peak is the largest segment peak: ``stats["optimal"]``, no order is lower under
+this model.
+
 Per segment: exact while a layer of the search holds at most ``beam`` sets; above, the
 ``beam`` sets of least (peak, live bytes) are kept (a beam search; ``Ordering.stats``
 counts the ``exact`` ones). The result is never worse than the traced order: a searched
@@ -93,7 +106,10 @@ class Ordering:
             under the model of the module docstring (the return's point left out).
         stats: ``segments`` (and windows) of the step, ``searched`` of them, ``exact``
             of those solved exactly, the ``largest``'s unit count, ``moved`` nodes not at
-            their traced position (the pass runner records its time, ``order_s``).
+            their traced position, ``traced_bytes`` (``traced_peak``), ``bound_bytes``
+            (no order running the forward first peaks lower) and ``optimal`` (no order
+            does better than ``peak``; both "Bound"; the pass runner records its time,
+            ``order_s``).
     """
 
     order: list[str]
@@ -465,9 +481,13 @@ def order_step(
         segments += _segments(mine, units.preds)
     if sum(map(len, segments)) != len(units.heads):
         raise AssertionError("order: a node neither forward nor backward")
+    bound = _shared_points(p, segments, units)
     # a segment larger than a window is ordered a window of traced units at a time (each
     # window's nodes are closed under dependencies with everything traced before it)
-    segments = [seg[k : k + window] for seg in segments for k in range(0, len(seg), window)]
+    # (a segment of one unit is a key point: the set before it is fixed)
+    cut = [(seg[k : k + window], len(seg) <= window, len(seg) == 1)
+           for seg in segments for k in range(0, len(seg), window)]  # fmt: skip
+    segments = [c[0] for c in cut]
     # the live set where a segment starts is the same whatever order the others take:
     # the step's peak is the largest segment peak, so only the segment at the peak is
     # searched, then the one at the new peak, until the one at the peak gains nothing
@@ -480,20 +500,22 @@ def order_step(
         seqs.append(seg)
         peak_k, done, live = _run_units(p, seg, units, done, live)
         heapq.heappush(heap, (-peak_k, k))
-    searched: set[int] = set()
-    exact_count = 0
+    searched: dict[int, bool] = {}  # segment -> searched exactly
+    optimal = False  # the segment at the peak has no order of a lower peak ("Bound")
     while heap:
         neg, k = heapq.heappop(heap)
         if k in searched or len(segments[k]) == 1:
-            break  # the peak's segment is as low as it gets
-        searched.add(k)
+            # the peak's segment is as low as it gets
+            optimal = cut[k][2] or (searched.get(k, False) and cut[k][1])
+            break
         seq, exact = _order_segment(p, segments[k], units, *starts[k], beam)
-        exact_count += exact
+        searched[k] = exact
         mine, _, _ = _run_units(p, seq, units, *starts[k])
         if mine < -neg:
             seqs[k] = seq
             heapq.heappush(heap, (-mine, k))
         else:
+            optimal = exact and cut[k][1]
             break  # nothing gained where the peak is: the traced order stays
     chosen = [h for seq in seqs for h in seq]
     # each unit's nodes, each after the neutral nodes it reads first (in traced order
@@ -518,11 +540,30 @@ def order_step(
     stats = {
         "segments": len(segments),
         "searched": len(searched),
-        "exact": exact_count,
+        "exact": sum(searched.values()),
         "largest": max((len(s) for s in segments), default=0),
         "moved": moved,
+        "traced_bytes": traced_peak,
+        "bound_bytes": bound,
+        "optimal": optimal,
     }
     return Ordering(p.placeholders + [p.names[i] for i in full], traced_peak, peak, stats)
+
+
+def _shared_points(p: _Problem, segments: list[list[int]], units: _Units) -> int:
+    """The least peak of any order of the step that runs its forward first ("Bound"):
+    the bytes at the points every such order shares, under the search's model."""
+    bound, done, live = 0, 0, p.base
+    for k, seg in enumerate(segments):
+        peak_k, done, live = _run_units(p, seg, units, done, live)
+        if len(seg) == 1:  # a key point: the same set of nodes runs before it
+            bound = max(bound, peak_k)
+        last_forward = not p.backward[seg[-1]] and (
+            k + 1 == len(segments) or p.backward[segments[k + 1][0]]
+        )
+        if last_forward and k + 1 < len(segments):  # the whole forward, held into the backward
+            bound = max(bound, live)
+    return bound
 
 
 def _topological(seq: list[int], preds: list[list[int]]) -> list[int]:

@@ -375,10 +375,16 @@ class Plan:
         traced = self.stats.get("traced_peak_bytes")
         if traced:
             moved = self.stats.get("order_moved", 0)
+            least = ""
+            if self.stats.get("order_optimal"):
+                least = "; no order is lower"
+            elif self.stats.get("order_traced_bytes"):
+                bound = self.stats["order_bound_bytes"] / self.stats["order_traced_bytes"]
+                least = f"; any order's peak over the nodes >= {bound:.0%} of the traced one's"
             lines.append(
                 f"operator order: peak {step['peak_bytes'] / 2**20:.2f} MiB, traced order "
                 f"{traced / 2**20:.2f} MiB ({step['peak_bytes'] / traced - 1:+.1%}; "
-                f"{moved} nodes moved)"
+                f"{moved} nodes moved{least})"
             )
         if step.get("arena_bytes"):
             lines.append(
