@@ -20,6 +20,11 @@ edge; an expert's without them where its pins need it, ``exact_ilp``): like for 
 kinder to the experts than their own code, which leaves the activations where DTensor's
 rules put them.
 
+An expert plan that does not fit is also planned as its users would run it: checkpointed
+(``autopar.plan`` with the expert's constraints: its placements pinned, the layers to
+recompute chosen by the same search, at the device's usable memory), in a row of its own,
+"+ checkpointing".
+
 (DP or FSDP over both axes of an (8, 8) mesh would split the batch (``--batch``, 16
 sequences) 64 ways: not a plan for this batch.)
 
@@ -28,6 +33,12 @@ faster); "fits" compares the expert's predicted peak per rank with the usable me
 ``--check`` exits non-zero when an expert plan that fits is estimated faster than
 autopar's (autopar's own plan is bounded by the memory; a faster expert that does not fit
 is no loss). These are the cost model's estimates, not measured step times.
+
+A second table reads from every plan the choices an expert would not make: the embedding's
+table replicated at the lookup; a vocab-split LM head whose logits are gathered before the
+loss instead of a vocab-parallel cross-entropy (the logits split over the vocab, ``S(1)``,
+where ``log_softmax`` reads them); forward matmuls splitting their weight over an axis
+that spans nodes (tensor parallelism across nodes, ``cost_models.spans_nodes``).
 """
 
 from __future__ import annotations
@@ -42,7 +53,7 @@ from common import print_header
 
 import autopar
 from autopar import experts
-from autopar.cost_models import get_profile
+from autopar.cost_models import get_profile, spans_nodes
 from autopar.models import EXAMPLES
 from autopar.passes.solve import SolveError
 
@@ -65,6 +76,38 @@ def _experts(model, mesh: autopar.Mesh) -> list[tuple[str, dict]]:
     ]  # fmt: skip
 
 
+MATMULS = ("aten.mm.default", "aten.addmm.default")
+
+
+def _axes(ps, mesh, pick) -> str:
+    return "+".join(a for a, p in zip(mesh.axis_names, ps) if pick(p)) or "-"
+
+
+def _choices(plan: autopar.Plan, mesh: autopar.Mesh) -> list[str]:
+    """The choices the issue found expert-wrong, read from a plan: where the embedding's
+    table is split at the lookup, where the LM head's logits are split where the loss
+    reads them (``S(1)``: a vocab-parallel cross-entropy; a vocab split gathered before
+    the loss is an all-gather of the logits), and how many forward matmuls split their
+    weight over an axis that spans nodes (tensor parallelism across nodes)."""
+    nodes = plan.nodes.values()
+    embed = [n for n in nodes if n.op == "aten.embedding.default" and n.role == "forward"]
+    table = ", ".join(sorted({_axes(n.ins[0], mesh, lambda p: p.startswith("S")) for n in embed}))
+    mms = [n for n in nodes if n.op in MATMULS and n.role == "forward"]
+    head = mms[-1]  # the LM head: the forward's last matmul, [tokens, vocab]
+    loss = [n for n in nodes if n.op == "aten._log_softmax.default" and n.role == "forward"]
+    at_loss, undone = "n/a", "n/a"
+    if loss:
+        logits = loss[0].ins[0]
+        at_loss = _axes(logits, mesh, lambda p: p == "S(1)")
+        undone = "+".join(
+            a for a, h, lo in zip(mesh.axis_names, head.placement(), logits)
+            if h == "S(1)" and lo != "S(1)"
+        ) or "-"  # fmt: skip
+    inter = [a for a in range(mesh.ndim) if spans_nodes(mesh, a)]
+    across = sum(1 for n in mms if any(n.ins[-1][a].startswith("S") for a in inter))
+    return [table, at_loss, undone, f"{across} of {len(mms)}", str(len(plan.recompute))]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="llama3-8b,gpt3,llama3-1b")
@@ -85,6 +128,7 @@ def main() -> int:
     if args.precision == "bf16-mixed":
         policy = autopar.MixedPrecision(torch.bfloat16, reduce_dtype=torch.float32)
     missed = []
+    chosen = []  # (model, mesh, plan, _choices)
     for name in args.models.split(","):
         for text in args.meshes.split(","):
             shape = tuple(int(s) for s in text.split("x"))
@@ -108,8 +152,23 @@ def main() -> int:
                                  time.perf_counter() - t0))  # fmt: skip
                 except (SolveError, ValueError) as e:
                     print(f"| {name} | {text} | {label} | no plan: {e} | | | | | |", flush=True)
+                    continue
+                fits = rows[-1][1].memory["step"]["peak_bytes"] <= usable
+                if fits or not rows or rows[0][0] != "autopar":
+                    continue  # (where autopar found no plan, no expert fits, checkpointed)
+                # as the expert would run it where it does not fit: its placements pinned,
+                # the layers that must be checkpointed to fit chosen by the same search
+                t0 = time.perf_counter()
+                label += " + checkpointing"
+                try:
+                    rows.append((label, autopar.plan(model, mesh, inputs, constraints=cons, **kw),
+                                 time.perf_counter() - t0))  # fmt: skip
+                except SolveError:
+                    print(f"| {name} | {text} | {label} | no plan fits | | | | | "
+                          f"{time.perf_counter() - t0:.1f} |", flush=True)  # fmt: skip
             base = rows[0][1].cost["total_s"] if rows and rows[0][0] == "autopar" else None
             for label, plan, wall in rows:
+                chosen.append((name, text, label, _choices(plan, mesh)))
                 total = plan.cost["total_s"]
                 peak = plan.memory["step"]["peak_bytes"]
                 fits = peak <= usable
@@ -123,6 +182,13 @@ def main() -> int:
                     f"| {len(plan.collectives)} | {wall:.1f} |",
                     flush=True,
                 )
+    print("\nthe choices the issue found expert-wrong (embedding, loss, TP across nodes):\n")
+    print("| model | mesh | plan | embedding table split over | logits split over the vocab "
+          "at the loss over | head's vocab split undone before the loss over | forward "
+          "matmuls splitting their weight across nodes | layers recomputed |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    for name, text, label, row in chosen:
+        print(f"| {name} | {text} | {label} | " + " | ".join(row) + " |")
     if missed:
         print("\nexpert plans that fit and are estimated faster than autopar's:")
         for m in missed:

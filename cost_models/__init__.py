@@ -15,6 +15,7 @@ from .comm import (
     collectives_time,
     redistribute_collectives,
     redistribute_time,
+    spans_nodes,
 )
 from .compute import attention_flops, compute_time, is_view_op, kernel_kind, op_bytes, op_flops
 from .devices import (
@@ -46,4 +47,5 @@ __all__ = [
     "redistribute_collectives",
     "redistribute_time",
     "register_profile",
+    "spans_nodes",
 ]

@@ -87,6 +87,7 @@ __all__ = [
     "collectives_time",
     "redistribute_collectives",
     "redistribute_time",
+    "spans_nodes",
 ]
 
 
@@ -99,12 +100,18 @@ def axis_link(mesh: Mesh, axis: int, profile: DeviceProfile | None = None) -> tu
     ``profile`` defaults to ``get_profile(mesh.device)``.
     """
     profile = profile if profile is not None else get_profile(mesh.device)
+    if not spans_nodes(mesh, axis, profile):
+        return profile.intra_node_latency, profile.intra_node_bandwidth
+    return profile.inter_node_latency, profile.inter_node_bandwidth
+
+
+def spans_nodes(mesh: Mesh, axis: int, profile: DeviceProfile | None = None) -> bool:
+    """Whether the groups along mesh ``axis`` span nodes (``axis_link``'s inter-node case)."""
+    profile = profile if profile is not None else get_profile(mesh.device)
     if not 0 <= axis < mesh.ndim:
         raise IndexError(f"mesh {mesh} has axes 0..{mesh.ndim - 1}, got axis {axis}")
     per_node = getattr(mesh, "ranks_per_node", None) or profile.ranks_per_node
-    if math.prod(mesh.shape[axis:]) <= per_node:
-        return profile.intra_node_latency, profile.intra_node_bandwidth
-    return profile.inter_node_latency, profile.inter_node_bandwidth
+    return math.prod(mesh.shape[axis:]) > per_node
 
 
 def collective_time(
