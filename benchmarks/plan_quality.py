@@ -44,6 +44,7 @@ that spans nodes (tensor parallelism across nodes, ``cost_models.spans_nodes``).
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 import warnings
@@ -53,6 +54,7 @@ from common import print_header
 
 import autopar
 from autopar import experts
+from autopar.core.schedule import edge_ends
 from autopar.cost_models import get_profile, spans_nodes
 from autopar.models import EXAMPLES
 from autopar.passes.solve import SolveError
@@ -93,10 +95,17 @@ def _choices(plan: autopar.Plan, mesh: autopar.Mesh) -> list[str]:
     embed = [n for n in nodes if n.op == "aten.embedding.default" and n.role == "forward"]
     table = ", ".join(sorted({_axes(n.ins[0], mesh, lambda p: p.startswith("S")) for n in embed}))
     mms = [n for n in nodes if n.op in MATMULS and n.role == "forward"]
-    head = mms[-1]  # the LM head: the forward's last matmul, [tokens, vocab]
+    names = list(plan.nodes)
+    heads = [k for k, n in plan.nodes.items() if n.op in MATMULS and n.role == "forward"]
+    head = plan.nodes[heads[-1]]  # the LM head: the forward's last matmul, [tokens, vocab]
     loss = [n for n in nodes if n.op == "aten._log_softmax.default" and n.role == "forward"]
-    at_loss, undone = "n/a", "n/a"
+    at_loss, undone, moved = "n/a", "n/a", "n/a"
     if loss:
+        ls = next(k for k, n in plan.nodes.items() if n is loss[0])
+        between = set(names[names.index(heads[-1]) : names.index(ls) + 1])
+        cs = [c for c in plan.collectives if set(edge_ends(c["edge"])) <= between]
+        kinds = ", ".join(sorted({f"{c['kind']} over {c['axis']}" for c in cs}))
+        moved = f"{kinds} ({sum(c['time_s'] for c in cs) * 1e3:.1f} ms)" if cs else "-"
         logits = loss[0].ins[0]
         at_loss = _axes(logits, mesh, lambda p: p == "S(1)")
         undone = "+".join(
@@ -105,7 +114,7 @@ def _choices(plan: autopar.Plan, mesh: autopar.Mesh) -> list[str]:
         ) or "-"  # fmt: skip
     inter = [a for a in range(mesh.ndim) if spans_nodes(mesh, a)]
     across = sum(1 for n in mms if any(n.ins[-1][a].startswith("S") for a in inter))
-    return [table, at_loss, undone, f"{across} of {len(mms)}", str(len(plan.recompute))]
+    return [table, at_loss, undone, moved, f"{across} of {len(mms)}", str(len(plan.recompute))]
 
 
 def main() -> int:
@@ -138,23 +147,22 @@ def main() -> int:
             model, inputs, loss_fn, targets = EXAMPLES[name](batch=args.batch)
             kw = dict(loss_fn=loss_fn, example_targets=targets, mp_policy=policy)
             t0 = time.perf_counter()
-            rows = []
+            rows: list[tuple[str, autopar.Plan | str, float]] = []  # a str: why no plan
             try:
                 rows.append(("autopar", autopar.plan(model, mesh, inputs, **kw),
                              time.perf_counter() - t0))  # fmt: skip
             except SolveError as e:  # no plan fits the device: said, and the experts costed
-                print(f"| {name} | {text} | autopar | no plan: {e} | | | | | "
-                      f"{time.perf_counter() - t0:.1f} |", flush=True)  # fmt: skip
+                rows.append(("autopar", f"no plan: {e}", time.perf_counter() - t0))
+            found = isinstance(rows[0][1], autopar.Plan)
             for label, cons in _experts(model, mesh):
                 t0 = time.perf_counter()
                 try:
-                    rows.append((label, autopar.evaluate(model, mesh, inputs, cons, **kw),
-                                 time.perf_counter() - t0))  # fmt: skip
+                    expert = autopar.evaluate(model, mesh, inputs, cons, **kw)
                 except (SolveError, ValueError) as e:
-                    print(f"| {name} | {text} | {label} | no plan: {e} | | | | | |", flush=True)
+                    rows.append((label, f"no plan: {e}", time.perf_counter() - t0))
                     continue
-                fits = rows[-1][1].memory["step"]["peak_bytes"] <= usable
-                if fits or not rows or rows[0][0] != "autopar":
+                rows.append((label, expert, time.perf_counter() - t0))
+                if expert.memory["step"]["peak_bytes"] <= usable or not found:
                     continue  # (where autopar found no plan, no expert fits, checkpointed)
                 # as the expert would run it where it does not fit: its placements pinned,
                 # the layers that must be checkpointed to fit chosen by the same search
@@ -163,11 +171,15 @@ def main() -> int:
                 try:
                     rows.append((label, autopar.plan(model, mesh, inputs, constraints=cons, **kw),
                                  time.perf_counter() - t0))  # fmt: skip
-                except SolveError:
-                    print(f"| {name} | {text} | {label} | no plan fits | | | | | "
-                          f"{time.perf_counter() - t0:.1f} |", flush=True)  # fmt: skip
-            base = rows[0][1].cost["total_s"] if rows and rows[0][0] == "autopar" else None
+                except SolveError as e:
+                    least = re.search(r"smallest budget that fits is ([\d.]+) MiB", str(e))
+                    why = f" (least peak {float(least[1]) / 1024:.1f} GiB)" if least else ""
+                    rows.append((label, f"no plan fits{why}", time.perf_counter() - t0))
+            base = rows[0][1].cost["total_s"] if isinstance(rows[0][1], autopar.Plan) else None
             for label, plan, wall in rows:
+                if isinstance(plan, str):
+                    print(f"| {name} | {text} | {label} | {plan} | | | | | {wall:.1f} |")
+                    continue
                 chosen.append((name, text, label, _choices(plan, mesh)))
                 total = plan.cost["total_s"]
                 peak = plan.memory["step"]["peak_bytes"]
@@ -184,9 +196,10 @@ def main() -> int:
                 )
     print("\nthe choices the issue found expert-wrong (embedding, loss, TP across nodes):\n")
     print("| model | mesh | plan | embedding table split over | logits split over the vocab "
-          "at the loss over | head's vocab split undone before the loss over | forward "
-          "matmuls splitting their weight across nodes | layers recomputed |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|")
+          "at the loss over | head's vocab split undone before the loss over | collectives "
+          "from the head to the loss | forward matmuls splitting their weight across nodes "
+          "| layers recomputed |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, text, label, row in chosen:
         print(f"| {name} | {text} | {label} | " + " | ".join(row) + " |")
     if missed:
