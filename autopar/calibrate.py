@@ -19,11 +19,19 @@ What is measured, each as the median of timed repetitions after warm-up:
                         code): the fixed cost of an op
     the intra-node link N local processes run all_reduce, all_gather, reduce_scatter and
                         all_to_all at sizes from KiB to MiB, as the step runs them
-                        (functional collectives, each waited for, one after another); the model of cost_models.comm,
+                        (functional collectives, each waited for, each after a burst of
+                        kernels whose time alone is taken off); the model of cost_models.comm,
                         ``t = o + steps(kind, n) a + factor(kind, n) S / bw``, is fitted to
                         them by least squares over relative errors with o, a, 1/bw >= 0
                         (``fit_link``), giving ``collective_overhead``,
-                        ``intra_node_latency`` and ``intra_node_bandwidth``
+                        ``intra_node_latency`` and ``intra_node_bandwidth``; then per kind
+                        the geometric mean of measured over fitted (``kind_scales``,
+                        ``collective_scale``: a library may run a kind by another algorithm)
+    host time (CPU)     a chain of views run as the step runs its graph (``view_launch``);
+                        two chains of tiny layers compiled by autopar and timed as a
+                        training loop steps them, their nodes taken off: the runtime's time
+                        per step and per parameter (``measure_runtime``, ``step_overhead``,
+                        ``param_overhead``)
 
 A kernel's FLOP/s is its FLOPs over its time less the cost of calling it alone (the cost
 model adds ``kernel_launch`` back once), so small kernels are not charged it twice. Compute
@@ -66,6 +74,11 @@ from .runtime.launch import run_local
 __all__ = ["Sample", "calibrate", "fit_link", "measure_collectives"]
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+BURST, BURST_CALLS = 96, 50
+"""The kernels before each timed collective: BURST_CALLS matmuls of BURST x BURST (about
+0.9 ms on one CPU thread, as a zoo step runs between two collectives). On gloo the cost
+of a small all-reduce depends on it: 0.55 ms after 0.02 ms of kernels, 0.7 ms after 0.2,
+1.4 ms after 0.9 (measured on a 2-core VM with 2 ranks)."""
 _DTYPES = ("float32", "float64", "bfloat16", "float16")
 
 # (matmul sizes n, attention sequence lengths, collective bytes, repetitions): full and quick
@@ -113,21 +126,77 @@ def measure_launch(device: torch.device, reps: int = 200) -> float:
     return _median_time(many, device, max(3, reps // runs)) / runs
 
 
-def measure_step_op(device: torch.device, reps: int = 20) -> float:
-    """Seconds per op of a chain of one-element adds run as the emitted step runs its graph
-    (passes/codegen: the Python code fx generates for the graph, boxed as aot_autograd
-    calls it), so the cost of a graph's node beyond its kernel is in it."""
+def measure_step_op(device: torch.device, reps: int = 20, *, view: bool = False) -> float:
+    """Seconds per op of a chain of one-element adds (``view``: of views, which run no
+    kernel) run as the emitted step runs its graph (passes/codegen: the Python code fx
+    generates for the graph, boxed as aot_autograd calls it), so the cost of a graph's node
+    beyond its kernel is in it."""
     runs = 64
     graph = torch.fx.Graph()
     x = graph.placeholder("x")
     y = x
     for _ in range(runs):
-        y = graph.call_function(torch.ops.aten.add.Tensor, (y, x))
+        if view:
+            y = graph.call_function(torch.ops.aten.view.default, (y, [1]))
+        else:
+            y = graph.call_function(torch.ops.aten.add.Tensor, (y, x))
     graph.output(y)
     gm = torch.fx.GraphModule(torch.nn.Module(), graph)
     x0 = torch.ones(1, device=device)
     run = boxed_nop(gm, [x0])
     return _median_time(lambda: run([x0]), device, reps) / runs
+
+
+def _runtime_rank(rank: int, world: int, depths: Sequence[int], reps: int) -> list[tuple]:
+    """On one rank: a chain of ``depth`` tiny linear layers compiled by autopar on this
+    rank's mesh (no collective, kernels of a few elements), each step timed as a training
+    loop runs it (forward, backward, gradients dropped); per depth ``(parameters, kernel
+    nodes, view nodes, seconds)``, the nodes those of the compiled graphs."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from .api import compile as compile_step
+    from .cost_models import is_view_op
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    out = []
+    for depth in depths:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(depth)))
+        x, y = torch.randn(8, 4), torch.randn(8, 4)
+        pm = compile_step(model, mesh, (x,), loss_fn=torch.nn.functional.mse_loss,
+                          example_targets=(y,), device="cpu")  # fmt: skip
+        local = pm.shard_inputs(x, y)
+        params = list(pm.parameters())
+
+        def step(pm=pm, local=local, params=params):
+            pm(*local).backward()
+            for p in params:
+                p.grad = None
+
+        seconds = _median_time(step, torch.device("cpu"), reps)
+        ops_ = [
+            n.target
+            for g in pm.compiled.graphs.values()
+            for n in g.graph.nodes
+            if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+        ]
+        views = sum(1 for t in ops_ if is_view_op(t))
+        out.append((len(params), len(ops_) - views, views, seconds))
+    return out
+
+
+def measure_runtime(step_op: float, view_op: float, reps: int) -> tuple[float, float]:
+    """``(step_overhead, param_overhead)``: a step's host time outside its graph's nodes,
+    fixed and per parameter. Two chains of tiny layers are compiled and timed
+    (``_runtime_rank``, one rank of the local launcher); their nodes priced at ``step_op``
+    and ``view_op`` are taken off, and the line through the two rests by parameter count
+    gives the two terms (each at least 0)."""
+    rows = run_local(_runtime_rank, 1, (1, 8), reps)[0]
+    (p1, k1, v1, t1), (p2, k2, v2, t2) = rows
+    r1 = t1 - k1 * step_op - v1 * view_op
+    r2 = t2 - k2 * step_op - v2 * view_op
+    per_param = max((r2 - r1) / (p2 - p1), 0.0)
+    return max(r1 - per_param * p1, 0.0), per_param
 
 
 def measure_bandwidth(device: torch.device, numel: int, reps: int) -> float:
@@ -185,7 +254,15 @@ def _collective_rank(rank: int, world: int, sizes: Sequence[int], reps: int, dev
     assert default is not None, "run by runtime.run_local, which initializes the group"
     group = default.group_name
     c10d = torch.ops._c10d_functional
-    out = []
+    square = torch.randn(BURST, BURST, device=device)
+
+    def burst():  # the kernels a step runs between two collectives
+        for _ in range(BURST_CALLS):
+            torch.mm(square, square)
+        _sync(device)
+
+    alone = _median_time(burst, device, 3 * reps)
+    cases = []
     for kind, nbytes in itertools.product(KINDS, sizes):
         numel = max(world, nbytes // 4 // world * world)
         full = torch.ones(numel, device=device)
@@ -199,20 +276,27 @@ def _collective_rank(rank: int, world: int, sizes: Sequence[int], reps: int, dev
             ),
             "all_to_all": functools.partial(c10d.all_to_all_single, full, splits, splits, group),
         }
-        issue = calls[kind]
-        times = []
-        # NOTE: one after another, as a step issues them: on gloo a collective that follows
-        # another costs 2-3x one that follows a barrier (1.2-1.6 ms against 0.5 ms for
-        # 8 KiB on this project's 2-core CI machines)
-        dist.barrier()
-        for i in range(reps + 1):
+        cases.append((kind, numel * 4, calls[kind]))
+    # NOTE: as a step issues them, each after the kernels before it, the kinds and sizes
+    # mixed: on gloo a collective that follows another costs 2-3x one that follows a
+    # barrier, and one that follows a burst of compute more again, by 0.3 to 1.5 ms on a
+    # 2-core VM (the peer's and gloo's threads wait for a core the kernels held, or for an
+    # idle core to wake); measured one kind and size at a time, the runs fell into one of
+    # those costs each. The burst's own time, measured alone, is taken off.
+    times: list[list[float]] = [[] for _ in cases]
+    dist.barrier()
+    for i in range(reps + 1):
+        for k, (_, _, issue) in enumerate(cases):
             t0 = time.perf_counter()
+            burst()
             c10d.wait_tensor(issue())
             _sync(device)
-            if i:  # the first is the warm-up
-                times.append(time.perf_counter() - t0)
-        out.append((kind, numel * 4, statistics.median(times)))
-    return out
+            if i:  # the first round is the warm-up
+                times[k].append(time.perf_counter() - t0 - alone)
+    return [
+        (kind, nbytes, max(statistics.median(ts), 0.0))
+        for (kind, nbytes, _), ts in zip(cases, times)
+    ]
 
 
 def measure_collectives(
@@ -270,12 +354,33 @@ def fit_link(samples: Sequence[Sample]) -> tuple[float, float, float]:
     return float(overhead), float(latency), float(1.0 / inv_bw)
 
 
-def link_errors(
+def kind_scales(
     samples: Sequence[Sample], overhead: float, latency: float, bandwidth: float
+) -> tuple[tuple[str, float], ...]:
+    """Per kind, the geometric mean of measured over fitted time across its samples
+    (``DeviceProfile.collective_scale``): the fit is one link for every kind, and a
+    library may run a kind by another algorithm than the ring."""
+    logs: dict[str, list[float]] = {}
+    for k, n, b, t in samples:
+        fitted = collective_time(k, b, n, latency, bandwidth, overhead=overhead)
+        if fitted > 0 and t > 0:
+            logs.setdefault(k, []).append(math.log(t / fitted))
+    return tuple((k, float(math.exp(statistics.mean(v)))) for k, v in sorted(logs.items()))
+
+
+def link_errors(
+    samples: Sequence[Sample],
+    overhead: float,
+    latency: float,
+    bandwidth: float,
+    scale: Sequence[tuple[str, float]] = (),
 ) -> list[float]:
-    """Relative error of the fitted model on each sample (predicted / measured - 1)."""
+    """Relative error of the fitted model (times ``scale``'s factor for the kind) on each
+    sample (predicted / measured - 1)."""
+    factor = dict(scale)
     return [
-        collective_time(k, b, n, latency, bandwidth, overhead=overhead) / t - 1.0
+        factor.get(k, 1.0) * collective_time(k, b, n, latency, bandwidth, overhead=overhead) / t
+        - 1.0
         for k, n, b, t in samples
     ]
 
@@ -306,7 +411,11 @@ def calibrate(
     try:
         launch = measure_launch(dev)
         step_op = max(launch, measure_step_op(dev))
-        log(f"kernel launch {launch * 1e6:.2f} us, {step_op * 1e6:.2f} us per op of a step")
+        view_op = measure_step_op(dev, view=True)
+        log(
+            f"kernel launch {launch * 1e6:.2f} us, {step_op * 1e6:.2f} us per op of a step, "
+            f"{view_op * 1e6:.2f} us per view"
+        )
         numel = (1 << 22 if quick else 1 << 25) if dev.type == "cpu" else 1 << 28
         bandwidth = measure_bandwidth(dev, numel, reps)
         log(f"memory bandwidth {bandwidth / 1e9:.1f} GB/s")
@@ -326,13 +435,26 @@ def calibrate(
             )
     finally:
         torch.set_num_threads(threads)
-    samples = measure_collectives(nproc, coll_sizes, reps, device_type=dev.type)
+    host_costs: dict[str, float] = {}
+    if dev.type == "cpu":  # on CUDA the host runs ahead of the device: the base's (0)
+        step_overhead, param_overhead = measure_runtime(step_op, view_op, 10 * reps)
+        host_costs = dict(
+            view_launch=view_op, step_overhead=step_overhead, param_overhead=param_overhead
+        )
+        log(
+            f"runtime per step {step_overhead * 1e6:.0f} us and {param_overhead * 1e6:.1f} us "
+            "per parameter"
+        )
+    # collectives vary most from call to call (a peer and threads sharing the cores)
+    samples = measure_collectives(nproc, coll_sizes, 6 * reps, device_type=dev.type)
     overhead, latency, link_bw = fit_link(samples)
-    errors = link_errors(samples, overhead, latency, link_bw)
+    scale = kind_scales(samples, overhead, latency, link_bw)
+    errors = link_errors(samples, overhead, latency, link_bw, scale)
     log(
         f"collectives on {nproc} ranks: overhead {overhead * 1e6:.1f} us, step latency "
-        f"{latency * 1e6:.1f} us, bandwidth {link_bw / 1e9:.2f} GB/s (fit error at most "
-        f"{max(abs(e) for e in errors):.0%})"
+        f"{latency * 1e6:.1f} us, bandwidth {link_bw / 1e9:.2f} GB/s, by kind x "
+        + ", ".join(f"{k} {f:.2f}" for k, f in scale)
+        + f" (fit error at most {max(abs(e) for e in errors):.0%})"
     )
     host = platform.node() or "this machine"
     what = torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor()
@@ -347,16 +469,22 @@ def calibrate(
         mem_capacity=capacity,
         mem_reserve=min(base_profile.mem_reserve, capacity / 4),
         kernel_launch=step_op,
+        view_launch=host_costs.get("view_launch", base_profile.view_launch),
+        step_overhead=host_costs.get("step_overhead", base_profile.step_overhead),
+        param_overhead=host_costs.get("param_overhead", base_profile.param_overhead),
         intra_node_latency=latency,
         intra_node_bandwidth=link_bw,
         collective_overhead=overhead,
+        collective_scale=scale,
         ranks_per_node=(
             torch.cuda.device_count() if dev.type == "cuda" else base_profile.ranks_per_node
         ),
         source=(
             f"autopar calibrate on {host} ({what or dev.type}), {when}, torch "
             f"{torch.__version__}{', quick' if quick else ''}: matmul and attention curves, "
-            f"memory bandwidth, kernel launch and the intra-node link "
+            f"memory bandwidth, kernel launch"
+            f"{', the host time of views and of the runtime per step' if host_costs else ''} "
+            f"and the intra-node link "
             f"({'NCCL' if dev.type == 'cuda' else 'gloo'}, {nproc} ranks) measured; the "
             f"inter-node link, the memory reserve and the all-reduce algorithms are profile "
             f"{base_profile.name!r}'s"

@@ -155,7 +155,8 @@ def collective_time(
 def collectives_time(
     collectives: Iterable[Collective], mesh: Mesh, profile: DeviceProfile | None = None
 ) -> float:
-    """Sum of ``collective_time`` of ``collectives``, each on its axis's link (``axis_link``)."""
+    """Sum of ``collective_time`` of ``collectives``, each on its axis's link (``axis_link``),
+    times the profile's factor for its kind (``DeviceProfile.collective_factor``)."""
     profile = profile if profile is not None else get_profile(mesh.device)
     total = 0.0
     for c in collectives:
@@ -164,7 +165,7 @@ def collectives_time(
                 f"{c} does not fit mesh {mesh}: axis {c.axis} must exist and have group_size ranks"
             )
         latency, bandwidth = axis_link(mesh, c.axis, profile)
-        total += collective_time(
+        total += profile.collective_factor(c.kind) * collective_time(
             c.kind,
             c.nbytes,
             c.group_size,

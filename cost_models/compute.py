@@ -28,10 +28,11 @@ P / W, so F hardly matters for them). B counts the input tensors and the written
 (the outputs, or the mutated arguments of an op that returns nothing) once each; it ignores
 caches, so it is the compulsory traffic.
 
-Ops that cost 0 (``compute_time`` returns 0.0, no overhead):
+Ops that run no kernel cost only the host's call, ``DeviceProfile.view_launch`` (0 on a
+device the host runs ahead of; measured on the CPU by ``autopar calibrate``):
     - view ops (``is_view_op``): the output aliases an input, no kernel runs;
-    - allocation-only ops (``empty``, ``empty_strided``, ...) and shape queries;
-    - ops with no tensor among their inputs or outputs.
+    - allocation-only ops (``empty``, ``empty_strided``, ...) and shape queries.
+Ops with no tensor among their inputs or outputs cost 0.
 """
 
 from __future__ import annotations
@@ -273,7 +274,7 @@ def compute_time(
     """
     kwargs = kwargs or {}
     if _runs_no_kernel(op):
-        return 0.0
+        return profile.view_launch
     read = _sizes((tuple(args), kwargs))
     written = _written_sizes(op, tuple(args), kwargs, out)
     if not read and not written:

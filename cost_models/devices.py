@@ -116,6 +116,26 @@ class DeviceProfile:
     """Algorithms the collective library picks from for an all-reduce, the fastest for each
     size (NCCL: ring and tree; gloo: ring); see ``comm.collective_time``."""
 
+    collective_scale: tuple[tuple[str, float], ...] = ()
+    """Per collective kind, its measured time over the ring model's on this profile's link
+    (``comm.collective_time``), where the library runs that kind by another algorithm than
+    the ring (gloo's reduce_scatter costs about an all-reduce): ``(kind, factor)`` pairs,
+    1 for a kind not listed (``collective_factor``)."""
+
+    view_launch: float = 0.0
+    """Host seconds of a graph node that runs no kernel (a view, ``getitem``) as the emitted
+    step calls it; 0 where the host runs ahead of the device (CUDA), so that only kernels
+    take the device's time."""
+
+    step_overhead: float = 0.0
+    """Host seconds of one step outside its graph's nodes (the runtime's boundary of local
+    shards, aot_autograd's wrappers, the autograd engine), and ``param_overhead`` more per
+    parameter (its local shard in, its gradient out as a DTensor and accumulated): on the
+    CPU they are on the step's path; 0 where the host runs ahead of the device (CUDA)."""
+
+    param_overhead: float = 0.0
+    """See ``step_overhead``."""
+
     overlaps_collectives: bool = True
     """Whether the emitted step can run a collective while kernels run (CUDA: NCCL on its
     own stream). passes/codegen overlaps a ring attention's shifts with its blocks only
@@ -143,11 +163,24 @@ class DeviceProfile:
         for field, value in positive.items():
             if not value > 0:
                 raise ValueError(f"profile {self.name!r}: {field} must be > 0, got {value}")
-        for field in ("intra_node_latency", "inter_node_latency", "kernel_launch"):
+        for field in (
+            "intra_node_latency",
+            "inter_node_latency",
+            "kernel_launch",
+            "view_launch",
+            "step_overhead",
+            "param_overhead",
+        ):
             if getattr(self, field) < 0:
                 raise ValueError(f"profile {self.name!r}: {field} must be >= 0")
         if self.collective_overhead < 0:
             raise ValueError(f"profile {self.name!r}: collective_overhead must be >= 0")
+        kinds = [k for k, _ in self.collective_scale]
+        if len(set(kinds)) != len(kinds) or any(not f > 0 for _, f in self.collective_scale):
+            raise ValueError(
+                f"profile {self.name!r}: collective_scale needs each kind once, with a "
+                f"factor > 0; got {self.collective_scale}"
+            )
         algos = self.all_reduce_algorithms
         if not algos or any(a not in ALL_REDUCE_ALGORITHMS for a in algos):
             raise ValueError(
@@ -167,6 +200,10 @@ class DeviceProfile:
                 raise ValueError(f"{where}: needs points (FLOPs > 0, FLOP/s > 0)")
             if any(b <= a for a, b in zip(works, works[1:])):
                 raise ValueError(f"{where}: FLOPs must increase from point to point")
+
+    def collective_factor(self, kind: str) -> float:
+        """``collective_scale``'s factor for ``kind`` (1 where it names none)."""
+        return next((f for k, f in self.collective_scale if k == kind), 1.0)
 
     @property
     def usable_memory(self) -> float:
@@ -220,6 +257,7 @@ class DeviceProfile:
             for k, t, curve in d.get("kernel_rates", ())
         )
         d["all_reduce_algorithms"] = tuple(d.get("all_reduce_algorithms", ("ring",)))
+        d["collective_scale"] = tuple((str(k), float(f)) for k, f in d.get("collective_scale", ()))
         # a profile written before the field: a CPU one (``autopar calibrate`` names it
         # ``cpu-<host>``) ran on gloo
         d.setdefault("overlaps_collectives", not str(d["name"]).startswith("cpu"))

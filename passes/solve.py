@@ -37,6 +37,10 @@ The ILP (Alpa's intra-operator formulation):
         min  sum_{v,k} C[v,k] x[v,k]  +  sum_{edges} R(p, q) e[u,p,v,q]  +  sum_g t[g]
              (where gradient buckets overlap the backward: G_a at a share, "Overlap")
 
+``Solution.objective_s`` adds the host's fixed time per step where the profile prices one
+(``DeviceProfile.step_overhead`` + ``param_overhead`` per parameter: a calibrated CPU;
+``Solution.runtime_s``), a constant no choice changes.
+
 ``C[v,k]`` is the roofline time of node v's op on the local shapes of strategy k (for a
 batch input: the time to read its local part, bytes / memory bandwidth)
 (``cost_models.compute.compute_time``, in ``_node_costs``), plus the collectives the op runs
@@ -1217,9 +1221,13 @@ def read_solution(ilp: IlpBuilder, status: int, stats: dict, time_limit_s: float
     }
     # where buckets overlap the backward, the step's length with them ("Overlap")
     step_s = ilp.overlap()[0] if ilp.bucket_coef else compute_s + comm_s
+    # the host's fixed time per step (the CPU's; 0 where the host runs ahead of the device)
+    params = len(set(ilp.space.params.values()))
+    runtime_s = profile.step_overhead + profile.param_overhead * params
     return Solution(
+        runtime_s=runtime_s,
         choice=choice,
-        objective_s=step_s,
+        objective_s=step_s + runtime_s,
         compute_s=compute_s,
         comm_s=comm_s,
         collectives=collectives,

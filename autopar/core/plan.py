@@ -178,7 +178,9 @@ class Plan:
         cost: ``compute_s``, ``comm_s`` (every collective of the step, nothing hidden),
             ``total_s`` and ``comm_by_kind_s``. With gradient buckets (passes/buckets),
             ``total_s`` is the emitted step simulated (``emitted_step_s``) and the solver's
-            objective is ``objective_s``; without, ``total_s`` is the objective.
+            objective is ``objective_s``; without, ``total_s`` is the objective. Where the
+            profile prices the host's fixed time per step (a calibrated CPU), it is
+            ``runtime_s``, in both.
         memory: ``param_bytes_per_rank`` and ``param_bytes_total``; ``step``: the step
             memory per rank (passes/memory: ``peak_bytes``, ``peak_node``, ``at_peak`` by
             category, ``optimizer``, and ``timeline``: ``nodes`` in step order and, per
@@ -298,6 +300,8 @@ class Plan:
                 "comm_s": solution.comm_s,
                 "total_s": solution.objective_s,
                 "comm_by_kind_s": dict(sorted(by_kind.items())),
+                # the host's fixed time per step, where the profile has one (the CPU's)
+                **({"runtime_s": solution.runtime_s} if solution.runtime_s else {}),
             },
             memory={"param_bytes_per_rank": int(per_rank), "param_bytes_total": int(total)},
             warnings=tuple(solution.warnings)

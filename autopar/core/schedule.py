@@ -22,6 +22,9 @@ communication, from the plan's per-node costs and predicted collectives:
       each other (each axis is its own process group, with its own NCCL stream and, across
       nodes, its own links); on gloo, one at a time.
 
+Where the profile prices the host's fixed time per step (``plan.cost["runtime_s"]``:
+the CPU's runtime boundary, passes/solve), the compute stream starts after it.
+
 Two issue rules give two schedules:
 
     - ``overlap=False``, the step as codegen emits it: a reshard is issued when the compute
@@ -177,7 +180,7 @@ def schedule(plan: Plan, *, overlap: bool = False) -> list[Span]:
     if overlap:  # a reshard whose input no point makes is ready at the step's start
         issued_later = {id(c) for c in _flat(after)}
         issue([c for c in _flat(into) if id(c) not in issued_later], 0.0)
-    clock = 0.0
+    clock = plan.cost.get("runtime_s", 0.0)  # the host's fixed time, before the first node
     for p in points:
         waits = into.get(p, [])
         if not overlap:

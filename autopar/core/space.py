@@ -257,6 +257,8 @@ class Solution:
         warnings: what the user should know of the solve (a time limit reached).
         recompute: the layers checkpointed (passes/remat); their time is in
             ``compute_s`` and ``comm_s``.
+        runtime_s: the host's fixed time per step outside the graph's nodes
+            (``DeviceProfile.step_overhead`` and ``param_overhead``); in ``objective_s``.
     """
 
     choice: dict[str, int]
@@ -268,6 +270,7 @@ class Solution:
     stats: dict = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     recompute: list[Recompute] = field(default_factory=list)
+    runtime_s: float = 0.0
 
     def chosen(self, space: StrategySpace, name: str) -> Strategy:
         """The strategy node ``name`` takes."""

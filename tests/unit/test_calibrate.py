@@ -3,14 +3,22 @@ machine into a profile that plan takes."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
 import autopar
-from autopar.calibrate import KINDS, fit_link, link_errors
+from autopar.calibrate import KINDS, fit_link, kind_scales, link_errors
 from autopar.cli import main
-from autopar.cost_models import KERNEL_KINDS, PROFILES, collective_time, load_profile
+from autopar.core import Collective, Mesh
+from autopar.cost_models import (
+    KERNEL_KINDS,
+    PROFILES,
+    collective_time,
+    collectives_time,
+    load_profile,
+)
 from autopar.models import EXAMPLES
 
 
@@ -44,6 +52,26 @@ def test_fit_keeps_every_term_non_negative():
     assert o >= 0 and a >= 0 and bw > 0
 
 
+def test_a_kind_run_by_another_algorithm_gets_its_own_factor():
+    # a library whose reduce_scatter costs twice the ring's (gloo's costs about an all-reduce)
+    made = [(k, n, b, t * (2.0 if k == "reduce_scatter" else 1.0))
+            for k, n, b, t in _samples(30e-6, 8e-6, 2e9)]  # fmt: skip
+    o, a, bw = fit_link(made)
+    scale = dict(kind_scales(made, o, a, bw))
+    assert scale["reduce_scatter"] > 1.5 * max(f for k, f in scale.items() if k != "reduce_scatter")
+    assert max(abs(e) for e in link_errors(made, o, a, bw, tuple(scale.items()))) < max(
+        abs(e) for e in link_errors(made, o, a, bw)
+    )
+    # and the cost model prices each kind with its factor
+    cpu = dataclasses.replace(PROFILES["cpu"], collective_scale=(("reduce_scatter", 2.0),))
+    mesh = Mesh((2,), ("dp",), device="cpu")
+    rs, ag = (Collective(k, 0, 2**20, 2) for k in ("reduce_scatter", "all_gather"))
+    assert collectives_time([rs], mesh, cpu) == pytest.approx(
+        2.0 * collectives_time([rs], mesh, PROFILES["cpu"]), rel=1e-12
+    )
+    assert collectives_time([ag], mesh, cpu) == collectives_time([ag], mesh, PROFILES["cpu"])
+
+
 def test_fit_refuses_times_that_do_not_grow_with_size():
     with pytest.raises(ValueError, match="bandwidth"):
         fit_link([(k, 2, float(b), 1e-3) for k in KINDS for b in (2**10, 2**20)])
@@ -69,11 +97,19 @@ def test_calibrate_writes_a_profile_that_plan_takes(tmp_path, capsys):
     assert profile.inter_node_bandwidth == cpu.inter_node_bandwidth
     assert profile.all_reduce_algorithms == cpu.all_reduce_algorithms
     assert profile.mem_bandwidth != cpu.mem_bandwidth  # measured, not copied
+    # the host's time: a view's call, and the runtime's per step and per parameter
+    assert profile.view_launch > 0 and profile.step_overhead > 0 and profile.param_overhead >= 0
 
     rc = main(["plan", "mlp", "--mesh", "2", "--profile", str(path), "--no-cache", "--json"])
     assert rc == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["mesh"]["device"] == "here"
+    # the plan prices the runtime's host time, and the step it predicts starts after it
+    runtime = profile.step_overhead + profile.param_overhead * len(plan["params"])
+    assert plan["cost"]["runtime_s"] == pytest.approx(runtime, rel=1e-9)
+    assert plan["cost"]["total_s"] >= plan["cost"]["compute_s"] + runtime * (1 - 1e-9)
+    emitted = autopar.Plan.from_json(json.dumps(plan)).emitted_step_s()
+    assert emitted >= plan["cost"]["compute_s"] + runtime * (1 - 1e-9)
     model, inputs, loss_fn, targets = EXAMPLES["mlp"]()
     mesh = autopar.Mesh((2,), ("dp",), device="cpu")
     # the built-in profile prices the same step otherwise

@@ -244,6 +244,9 @@ def test_view_ops_cost_zero(op, args):
     assert is_view_op(op)
     assert compute_time(H100, op, args, {}, S([4096, 4096]), F32) == 0.0
     assert op_flops(op, args, {}, S([4096, 4096])) == 0.0
+    # where the host's call is on the step's path (a calibrated CPU), the call alone
+    host = dataclasses.replace(H100, view_launch=2e-6)
+    assert compute_time(host, op, args, {}, S([4096, 4096]), F32) == 2e-6
 
 
 def test_getitem_costs_zero_and_copies_do_not():
