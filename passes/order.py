@@ -551,18 +551,15 @@ def order_step(
 
 
 def _shared_points(p: _Problem, segments: list[list[int]], units: _Units) -> int:
-    """The least peak of any order of the step that runs its forward first ("Bound"):
-    the bytes at the points every such order shares, under the search's model."""
+    """A lower bound on the peak of every order of the step that runs its forward first
+    ("Bound"): the bytes at the points all such orders share, under the search's model."""
     bound, done, live = 0, 0, p.base
     for k, seg in enumerate(segments):
         peak_k, done, live = _run_units(p, seg, units, done, live)
         if len(seg) == 1:  # a key point: the same set of nodes runs before it
             bound = max(bound, peak_k)
-        last_forward = not p.backward[seg[-1]] and (
-            k + 1 == len(segments) or p.backward[segments[k + 1][0]]
-        )
-        if last_forward and k + 1 < len(segments):  # the whole forward, held into the backward
-            bound = max(bound, live)
+        if k + 1 < len(segments) and not p.backward[seg[-1]] and p.backward[segments[k + 1][0]]:
+            bound = max(bound, live)  # the whole forward, held into the backward
     return bound
 
 
