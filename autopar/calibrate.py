@@ -293,8 +293,10 @@ def _collective_rank(rank: int, world: int, sizes: Sequence[int], reps: int, dev
             _sync(device)
             if i:  # the first round is the warm-up
                 times[k].append(time.perf_counter() - t0 - alone)
+    # (at least a microsecond: the fit weighs relative errors, and taking the burst off a
+    # collective shorter than its noise could leave nothing)
     return [
-        (kind, nbytes, max(statistics.median(ts), 0.0))
+        (kind, nbytes, max(statistics.median(ts), 1e-6))
         for (kind, nbytes, _), ts in zip(cases, times)
     ]
 
