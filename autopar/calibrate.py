@@ -61,13 +61,16 @@ import torch.distributed as dist
 # NOTE: torch.compile's aot_eager compiler: no public function compiles an fx graph to its
 # boxed Python code (tests/unit/test_torch_internals.py)
 from torch._dynamo.backends.debugging import boxed_nop
+from torch.distributed.device_mesh import init_device_mesh
 
+from .api import compile as compile_step
 from .core import ops
 from .cost_models import (
     DeviceProfile,
     attention_flops,
     collective_time,
     get_profile,
+    is_view_op,
 )
 from .runtime.launch import run_local
 
@@ -152,11 +155,6 @@ def _runtime_rank(rank: int, world: int, depths: Sequence[int], reps: int) -> li
     rank's mesh (no collective, kernels of a few elements), each step timed as a training
     loop runs it (forward, backward, gradients dropped); per depth ``(parameters, kernel
     nodes, view nodes, seconds)``, the nodes those of the compiled graphs."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from .api import compile as compile_step
-    from .cost_models import is_view_op
-
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
     out = []
     for depth in depths:
