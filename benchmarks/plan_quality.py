@@ -44,7 +44,6 @@ that spans nodes (tensor parallelism across nodes, ``cost_models.spans_nodes``).
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 import time
 import warnings
@@ -91,29 +90,33 @@ def _choices(plan: autopar.Plan, mesh: autopar.Mesh) -> list[str]:
     reads them (``S(1)``: a vocab-parallel cross-entropy; a vocab split gathered before
     the loss is an all-gather of the logits), and how many forward matmuls split their
     weight over an axis that spans nodes (tensor parallelism across nodes)."""
-    nodes = plan.nodes.values()
-    embed = [n for n in nodes if n.op == "aten.embedding.default" and n.role == "forward"]
-    table = ", ".join(sorted({_axes(n.ins[0], mesh, lambda p: p.startswith("S")) for n in embed}))
-    mms = [n for n in nodes if n.op in MATMULS and n.role == "forward"]
     names = list(plan.nodes)
-    heads = [k for k, n in plan.nodes.items() if n.op in MATMULS and n.role == "forward"]
-    head = plan.nodes[heads[-1]]  # the LM head: the forward's last matmul, [tokens, vocab]
-    loss = [n for n in nodes if n.op == "aten._log_softmax.default" and n.role == "forward"]
+
+    def forward(op: str) -> list[str]:
+        return [k for k, n in plan.nodes.items() if n.op == op and n.role == "forward"]
+
+    embed = forward("aten.embedding.default")
+    table = ", ".join(
+        sorted({_axes(plan.nodes[k].ins[0], mesh, lambda p: p.startswith("S")) for k in embed})
+    )
+    mms = [k for op in MATMULS for k in forward(op)]
+    head_name = max(mms, key=names.index)  # the LM head: the forward's last matmul
+    head = plan.nodes[head_name]
+    loss = forward("aten._log_softmax.default")
     at_loss, undone, moved = "n/a", "n/a", "n/a"
     if loss:
-        ls = next(k for k, n in plan.nodes.items() if n is loss[0])
-        between = set(names[names.index(heads[-1]) : names.index(ls) + 1])
+        between = set(names[names.index(head_name) : names.index(loss[0]) + 1])
         cs = [c for c in plan.collectives if set(edge_ends(c["edge"])) <= between]
         kinds = ", ".join(sorted({f"{c['kind']} over {c['axis']}" for c in cs}))
         moved = f"{kinds} ({sum(c['time_s'] for c in cs) * 1e3:.1f} ms)" if cs else "-"
-        logits = loss[0].ins[0]
+        logits = plan.nodes[loss[0]].ins[0]
         at_loss = _axes(logits, mesh, lambda p: p == "S(1)")
         undone = "+".join(
             a for a, h, lo in zip(mesh.axis_names, head.placement(), logits)
             if h == "S(1)" and lo != "S(1)"
         ) or "-"  # fmt: skip
     inter = [a for a in range(mesh.ndim) if spans_nodes(mesh, a)]
-    across = sum(1 for n in mms if any(n.ins[-1][a].startswith("S") for a in inter))
+    across = sum(1 for k in mms if any(plan.nodes[k].ins[-1][a].startswith("S") for a in inter))
     return [table, at_loss, undone, moved, f"{across} of {len(mms)}", str(len(plan.recompute))]
 
 
@@ -172,8 +175,9 @@ def main() -> int:
                     rows.append((label, autopar.plan(model, mesh, inputs, constraints=cons, **kw),
                                  time.perf_counter() - t0))  # fmt: skip
                 except SolveError as e:
-                    least = re.search(r"smallest budget that fits is ([\d.]+) MiB", str(e))
-                    why = f" (least peak {float(least[1]) / 1024:.1f} GiB)" if least else ""
+                    why = (
+                        "" if e.least_bytes is None else f" (least {e.least_bytes / 2**30:.1f} GiB)"
+                    )
                     rows.append((label, f"no plan fits{why}", time.perf_counter() - t0))
             base = rows[0][1].cost["total_s"] if isinstance(rows[0][1], autopar.Plan) else None
             for label, plan, wall in rows:

@@ -270,7 +270,12 @@ __all__ = [
 
 
 class SolveError(RuntimeError):
-    """The ILP has no solution or the solver failed."""
+    """The ILP has no solution or the solver failed. ``least_bytes``: where no plan fits
+    the memory budget, the smallest budget per rank that one fits (else None)."""
+
+    def __init__(self, message: str, least_bytes: int | None = None):
+        super().__init__(message)
+        self.least_bytes = least_bytes
 
 
 GRAD_OVERLAP = 0.75  # the share of gradient buckets first counted as hidden ("Overlap")
@@ -1372,7 +1377,10 @@ def _budget_error(
         f"{least.peak_bytes / _MIB:.1f} MiB ({least.peak_bytes} bytes), whose largest part "
         f"is {top.replace('_', ' ')} ({least.at_peak[top] / _MIB:.1f} MiB at node "
         f"{least.peak_node}); raise the budget to at least that, "
-        + ("or use a larger mesh" if checkpointing else "allow checkpointing, or use a larger mesh")
+        + (
+            "or use a larger mesh" if checkpointing else "allow checkpointing, or use a larger mesh"
+        ),
+        least_bytes=least.peak_bytes,
     )
 
 
