@@ -1,34 +1,59 @@
-"""Gradient buckets: the plan's gradient all-reduces grouped into few large ones, each issued
-as soon as its last gradient is made.
+"""Gradient buckets: the plan's gradient reductions grouped into few large collectives,
+each issued as soon as its last gradient is made.
 
 Takes: the ``StrategySpace`` (its sinks, tensors) and an assembled ``Plan`` (its
 collectives, its order). Returns: the plan with each bucket's members replaced in
 ``plan.collectives`` by one collective, and ``plan.cost`` repriced.
 
 Which reductions: a gradient (a sink ``like`` a parameter) whose redistribution to its
-parameter's placement is one all-reduce on one axis (``P -> R`` there, every other axis
-unchanged: ``core.reduced_axis``, which the solver's objective credits as hidden). Others (two axes reduced, a reduce-scatter into a sharded parameter, the loss)
-stay as they are, at the graph's end.
+parameter's placement is one collective on one axis, every other axis unchanged
+(``core.reduction``, which the solver's objective credits as hidden):
 
-How (as DDP buckets, at plan time so that counts and costs are the plan's): the
-candidates, in the order their gradients are made (``plan.order``, else the traced order),
-go into one open bucket per ``(axis, dtype, reduce op)``; a bucket closes when it holds
-``bucket_bytes`` or more (a gradient over the cap is a bucket of its own, issued as early
-as the others). A bucket is issued after the node that makes its last gradient
-(``edge``: ``<that node>->output[<positions>] (bucket k: n gradients)``):
+    P -> R      one all-reduce (data parallel, DDP's buckets)
+    P -> S(d)   one reduce-scatter along d (a parameter sharded over the axis: FSDP,
+                ZeRO; FSDP2 reduces its gradients this way)
 
-    cat       flat = cat(g.view(-1) for g in members)      members freed
-    reduce    out  = all_reduce(flat, op, axis)            flat freed
-    return    each member's gradient: a view of out
+Others (two axes reduced, a reduce-scatter into a ``_StridedShard``, the loss) stay as they
+are, at the graph's end.
 
-priced as one call: ``time(B) = collective_time(all_reduce, sum of member bytes)`` (one
-``collective_overhead``, one set of latencies, where n reductions paid n), on the axis's
-link. passes/codegen emits exactly this (on CUDA the wait is at the backward's end, so a
-bucket overlaps the rest of the backward; on gloo it is waited for at once: two
-collectives in flight on one gloo group can mix their messages, passes/codegen ``_Ring``);
-passes/memory counts the members to the issue point, ``flat`` there, and ``out`` from
-there to the end; core/schedule issues the bucket after its last gradient and, where the
-profile overlaps collectives, lets the compute stream run on (``overlap`` in the entry).
+How (at plan time so that counts and costs are the plan's): the candidates, in the order
+their gradients are made (``plan.order``, else the traced order), go into one open bucket
+per ``(kind, axis, dtype, reduce op)``; a bucket closes when it holds ``bucket_bytes`` or
+more (a gradient over the cap is a bucket of its own, issued as early as the others). A
+bucket is issued after the node that makes its last gradient (``edge``: ``<that
+node>->output[<positions>] (bucket k: n gradients)``). With G ranks on the axis and
+``g_i`` the members as made (local, unreduced):
+
+    all-reduce      flat = cat(g_i.view(-1) for i)                  members freed
+                    out  = all_reduce(flat, op, axis)               flat freed
+                    member i: a view of out (its offset, g_i's shape)
+    reduce-scatter  flat = cat(chunk(g_i, G, d_i)[r].view(-1)       rank-major, as FSDP2
+                               for r in 0..G-1 for i)               lays out its buckets
+                    out  = reduce_scatter(flat, op, axis)           flat freed; 1/G of it
+                    member i: a view of out (its offset, g_i's chunk shape)
+
+so rank r's ``out`` holds each member's reduced chunk r: exactly what DTensor's own
+``Partial -> Shard(d_i)`` gives each member (one ``reduce_scatter_tensor`` along d_i). The
+bucket is priced as one call: ``time(B) = collective_time(kind, sum of member bytes)``
+(one ``collective_overhead``, one set of latencies, where n reductions paid n), on the
+axis's link. passes/codegen emits exactly this. Where it is waited for:
+
+    gloo            at once (two collectives in flight on one gloo group can mix their
+                    messages, passes/codegen ``_Ring``): ``overlap`` False in the entry
+    CUDA            all-reduce: at the backward's end (its input is copied into its output
+                    at the call and freed there); reduce-scatter: where the next
+                    reduce-scatter bucket on its axis is issued (``wait_after``: that
+                    bucket's issue node; the last at the backward's end). The process
+                    group holds a collective's input until it is waited for, and a
+                    reduce-scatter's input is G times its output: so at most one bucket's
+                    input is held per axis, as FSDP2 waits for one reduce-scatter before
+                    it issues the next
+
+passes/memory counts the members to the issue point, ``flat`` there (to its wait, where
+``wait_after`` or a reduce-scatter waited at the end holds it), and ``out`` (the members as
+their parameters hold them: 1/G of ``flat`` for a reduce-scatter) from there to the end;
+core/schedule issues the bucket after its last gradient and, where the profile overlaps
+collectives, lets the compute stream run on to the bucket's wait.
 
 ``plan.cost``: ``comm_s`` and ``comm_by_kind_s`` are repriced with the buckets (the sum
 of the step's collectives, nothing discounted); the solver's own objective (passes/solve,
@@ -45,7 +70,7 @@ from collections import defaultdict
 
 import torch
 
-from autopar.core import Plan, StrategySpace, parse_placements, reduced_axis, roles
+from autopar.core import Plan, StrategySpace, parse_placements, reduction, roles
 
 from .solve import collective_s, overlaps_collectives
 
@@ -59,6 +84,7 @@ DEFAULT_BUCKET_BYTES = 25 * 2**20
 class Bucket:
     """One bucket: its members' sink positions, in the order their gradients are made."""
 
+    kind: str
     axis: str
     dtype: torch.dtype
     op: str
@@ -73,8 +99,8 @@ def candidates(
     space: StrategySpace, plan: Plan
 ) -> list[tuple[int, dict, int, str, str, torch.dtype]]:
     """``(sink position, its collective, producer index, producer, reduce op, dtype)`` of
-    each gradient whose reduction is one all-reduce on one axis (module docstring), in the
-    order made."""
+    each gradient whose reduction is one all-reduce or one reduce-scatter on one axis
+    (module docstring), in the order made."""
     order = list(plan.order) if plan.order else list(space.order)
     index = {n: i for i, n in enumerate(order)}
     per_edge: dict[str, list[dict]] = defaultdict(list)
@@ -86,15 +112,18 @@ def candidates(
             continue
         label = f"{sink.src}->output[{sink.position}] (as {sink.like})"
         cs = per_edge.get(label, [])
-        if len(cs) != 1 or cs[0]["kind"] != "all_reduce" or sink.src_out != 0:
+        if len(cs) != 1 or sink.src_out != 0:
             continue
         src_ps = plan.nodes[sink.src].out[0]
         dst_ps = plan.nodes[sink.like].out[0]
         if src_ps is None or dst_ps is None:
             continue
         src_p = parse_placements(src_ps)
-        axis = reduced_axis(src_p, parse_placements(dst_ps))
-        if axis is None:
+        reduced = reduction(src_p, parse_placements(dst_ps))
+        if reduced is None:
+            continue
+        axis, dim = reduced
+        if cs[0]["kind"] != ("all_reduce" if dim is None else "reduce_scatter"):
             continue
         op = str(getattr(src_p[axis], "reduce_op", "sum"))
         dtype = space.tensor(sink.src, 0)[1]
@@ -104,15 +133,15 @@ def candidates(
 
 
 def bucket_reductions(space: StrategySpace, plan: Plan, bucket_bytes: float) -> Plan:
-    """``plan`` with its gradient all-reduces bucketed (module docstring)."""
+    """``plan`` with its gradient reductions bucketed (module docstring)."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
     found = candidates(space, plan)
     open_: dict[tuple, Bucket] = {}
     done: list[Bucket] = []
     for position, c, at, src, op, dtype in found:
-        key = (c["axis"], dtype, op)
-        b = open_.setdefault(key, Bucket(c["axis"], dtype, op))
+        key = (c["kind"], c["axis"], dtype, op)
+        b = open_.setdefault(key, Bucket(c["kind"], c["axis"], dtype, op))
         b.members.append(c)
         b.positions.append(position)
         b.issue, b.at = src, at
@@ -126,23 +155,26 @@ def bucket_reductions(space: StrategySpace, plan: Plan, bucket_bytes: float) -> 
     collectives = [c for c in plan.collectives if id(c) not in bucketed]
     overlap = overlaps_collectives(plan.mesh)
     for k, b in enumerate(done):
-        collectives.append(
-            {
-                "edge": f"{b.issue}->output[{','.join(map(str, b.positions))}] "
-                f"(bucket {k}: {len(b.members)} gradients)",
-                "param": f"{len(b.members)} gradients ({b.members[0].get('param', '?')}, ...)",
-                "params": [c.get("param", "") for c in b.members],
-                "kind": "all_reduce",
-                "axis": b.axis,
-                "nbytes": b.nbytes,
-                "group_size": int(b.members[0]["group_size"]),
-                "time_s": collective_s(plan.mesh, "all_reduce", axis_index[b.axis], b.nbytes),
-                "bucket": k,
-                "dtype": str(b.dtype).removeprefix("torch."),
-                "op": b.op,
-                "overlap": overlap,
-            }
-        )
+        entry = {
+            "edge": f"{b.issue}->output[{','.join(map(str, b.positions))}] "
+            f"(bucket {k}: {len(b.members)} gradients)",
+            "param": f"{len(b.members)} gradients ({b.members[0].get('param', '?')}, ...)",
+            "params": [c.get("param", "") for c in b.members],
+            "kind": b.kind,
+            "axis": b.axis,
+            "nbytes": b.nbytes,
+            "group_size": int(b.members[0]["group_size"]),
+            "time_s": collective_s(plan.mesh, b.kind, axis_index[b.axis], b.nbytes),
+            "bucket": k,
+            "dtype": str(b.dtype).removeprefix("torch."),
+            "op": b.op,
+            "overlap": overlap,
+        }
+        if overlap and b.kind == "reduce_scatter":  # its input held to its wait: bound it
+            later = [n for n in done if n.kind == b.kind and n.axis == b.axis and n.at > b.at]
+            if later:
+                entry["wait_after"] = later[0].issue
+        collectives.append(entry)
     by_kind: dict[str, float] = defaultdict(float)
     for c in collectives:
         by_kind[c["kind"]] += c["time_s"]

@@ -42,10 +42,13 @@ At the graph outputs the loss is redistributed to Replicate, each gradient to it
 parameter's placement. Nothing is done when the plan replicates everything (the local graph
 is then the global graph, plus nothing). The gradients the plan buckets (passes/buckets)
 are reduced earlier: right after the node that makes a bucket's last gradient, its members
-are flattened into one tensor and all-reduced (``_issue``), and each output is a view of
-the result (``_bucketed``). On CUDA the wait is at the graph's end, so the bucket overlaps
-the rest of the backward; on gloo it is waited for at once, one collective in flight per
-group as with the ring's shifts.
+are flattened into one tensor and all-reduced, or (a bucket of reduce-scatters into
+sharded parameters) laid out rank-major, each rank's chunk of every member in turn, and
+reduce-scattered (``_issue``); each output is a view of the result (``_bucketed``). On
+CUDA an all-reduce bucket is waited for at the graph's end, so it overlaps the rest of the
+backward, and a reduce-scatter bucket where the next one on its axis is issued (the entry's
+``wait_after``: its input, G times its output, is held until the wait); on gloo a bucket is
+waited for at once, one collective in flight per group as with the ring's shifts.
 
 The compiled forward and backward graphs are kept in ``CompiledStep.graphs``. Before
 aot_autograd partitions the local graph, each collective is pinned to the graph that holds
@@ -63,6 +66,7 @@ issued.
 from __future__ import annotations
 
 import functools
+import math
 import operator
 from dataclasses import dataclass, field
 
@@ -90,7 +94,7 @@ from autopar.core import (
     local_shape,
     ops,
     parse_placements,
-    reduced_axis,
+    reduction,
     roles,
 )
 from autopar.core.schedule import bucket_site
@@ -322,12 +326,15 @@ class _Localizer(torch.fx.Interpreter):
         # gradient buckets (passes/buckets): issued after the node that makes the last
         # gradient, each output position then read from its bucket
         self.buckets: dict[str, list[tuple[dict, list[int]]]] = {}
+        self.waits: dict[str, list[int]] = {}  # node -> buckets waited for after it
         for c in plan.collectives:
             if "bucket" in c:
                 src, positions = bucket_site(c)
                 self.buckets.setdefault(src, []).append((c, positions))
+                if "wait_after" in c:
+                    self.waits.setdefault(c["wait_after"], []).append(c["bucket"])
         self.outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
-        self.reduced: dict[int, tuple] = {}  # output position -> (bucket, offset, numel)
+        self.reduced: dict[int, tuple] = {}  # output position -> (bucket, offset, shape)
         self.pending: dict[int, torch.Tensor] = {}  # bucket -> its all-reduce, not waited for
         self.done: dict[int, torch.Tensor] = {}  # bucket -> its reduced flat tensor
         self.overlap = dmesh.device_type != "cpu"
@@ -352,47 +359,60 @@ class _Localizer(torch.fx.Interpreter):
     def run_node(self, n):
         self._node = n
         out = super().run_node(n)
+        for k in self.waits.get(n.name, ()) if self.overlap else ():  # before the next
+            self.done[k] = torch.ops._c10d_functional.wait_tensor(self.pending.pop(k))
         for bucket, positions in self.buckets.get(n.name, ()):
             self._issue(bucket, positions, n, out)
         return out
 
     def _issue(self, bucket: dict, positions: list[int], node, value) -> None:
-        """One bucket of gradient all-reduces (passes/buckets): the members flattened into
-        one tensor, all-reduced over the bucket's axis; on gloo waited for at once (two
+        """One bucket of gradient reductions (passes/buckets): the members flattened into
+        one tensor (for a reduce-scatter, rank-major: each rank's chunk of every member in
+        turn) and reduced over the bucket's axis; on gloo waited for at once (two
         collectives in flight on one gloo group can mix their messages, ``_Ring``), else
-        at the step's end."""
+        after the node its entry's ``wait_after`` names (``run_node``) or at the step's
+        end."""
         axis = self.plan.mesh.axis_names.index(bucket["axis"])
-        flat, offset = [], 0
+        size = self.dmesh.size(axis)
+        scatter = bucket["kind"] == "reduce_scatter"
+        members, offset = [], 0
         for pos in positions:
             src = self.outputs[pos]
             t = value if src is node else self.env[src]
             src_ps = self.placed[src.name][0]
             want = self._ps(self.plan.output_placements[pos])
-            if reduced_axis(src_ps, want) != axis:
+            reduced = reduction(src_ps, want)
+            if reduced is None or reduced[0] != axis or (reduced[1] is not None) != scatter:
                 raise RuntimeError(
                     f"bucket {bucket['bucket']}: output {pos} ({src.name}) is {src_ps}, to "
-                    f"leave as {want}; the plan bucketed it as one all-reduce over "
+                    f"leave as {want}; the plan bucketed it as one {bucket['kind']} over "
                     f"{bucket['axis']}"
                 )
-            flat.append(t.reshape(-1))
-            self.reduced[pos] = (bucket["bucket"], offset, t.numel())
-            offset += t.numel()
+            pieces = t.chunk(size, reduced[1]) if scatter else (t,)
+            members.append(pieces)
+            self.reduced[pos] = (bucket["bucket"], offset, pieces[0].shape)
+            offset += pieces[0].numel()
+        flat = [p.reshape(-1) for r in range(len(members[0])) for p in (m[r] for m in members)]
         group = self.dmesh.get_group(axis).group_name
         c10d = torch.ops._c10d_functional
-        # (one member: its own flat view, or a copy where it is not contiguous)
-        handle = c10d.all_reduce(torch.cat(flat) if len(flat) > 1 else flat[0], bucket["op"], group)
+        # (one member of an all-reduce: its own flat view, or a copy where it is not
+        # contiguous)
+        joined = torch.cat(flat) if len(flat) > 1 else flat[0]
+        if scatter:
+            handle = c10d.reduce_scatter_tensor(joined, bucket["op"], size, group)
+        else:
+            handle = c10d.all_reduce(joined, bucket["op"], group)
         if self.overlap:
             self.pending[bucket["bucket"]] = handle
         else:
             self.done[bucket["bucket"]] = c10d.wait_tensor(handle)
 
-    def _bucketed(self, pos: int, local: torch.Tensor, val) -> torch.Tensor:
-        """Output ``pos``'s reduced gradient (``local`` before it): a view of its bucket's
-        reduced tensor."""
-        k, offset, numel = self.reduced[pos]
+    def _bucketed(self, pos: int, val) -> torch.Tensor:
+        """Output ``pos``'s reduced gradient: a view of its bucket's reduced tensor."""
+        k, offset, shape = self.reduced[pos]
         if k not in self.done:
             self.done[k] = torch.ops._c10d_functional.wait_tensor(self.pending.pop(k))
-        out = self.done[k].narrow(0, offset, numel).view(local.shape)
+        out = self.done[k].narrow(0, offset, math.prod(shape)).view(shape)
         return ops.in_layout_of(out, val)
 
     def placeholder(self, target, args, kwargs):
@@ -541,7 +561,7 @@ class _Localizer(torch.fx.Interpreter):
                 new.append(v)
                 continue
             if pos in self.reduced:
-                new.append(self._bucketed(pos, v, a.meta["val"]))
+                new.append(self._bucketed(pos, a.meta["val"]))
                 continue
             src_ps = self.placed[a.name][0]
             want = self.plan.output_placements[pos]

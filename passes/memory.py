@@ -49,7 +49,9 @@ Buckets (passes/buckets): a gradient in a bucket lives from its node to the node
 which its bucket is issued (``Liveness.early``), not to the end; at that point the bucket's
 flattened input (the members' sizes as made) is a collective buffer, and from the next
 point to the end its reduced output (the members' sizes as they leave) counts as
-gradients. Those outputs are left out of ``bytes(out)``.
+gradients. Those outputs are left out of ``bytes(out)``. A reduce-scatter bucket whose
+wait is later (on CUDA: the process group holds its input to the wait, the entry's
+``wait_after`` or the step's end; ``Liveness.held``) holds its flat input to that point.
 
 Categories: ``parameters`` (parameters and buffers, the whole step; a tied parameter once),
 ``inputs`` (inputs and targets, the whole step), ``gradients`` (a parameter's gradient, from
@@ -95,6 +97,7 @@ __all__ = [
     "OPTIMIZERS",
     "Storage",
     "bucketed",
+    "held_inputs",
     "liveness",
     "local_bytes",
     "measure",
@@ -180,6 +183,9 @@ class Liveness:
     groups: dict[str, list[Recompute]] = field(default_factory=dict)
     early: dict[int, int] = field(default_factory=dict)
     """Graph output position -> the point whose end issues its bucket (passes/buckets)."""
+    held: dict[int, int] = field(default_factory=dict)
+    """Graph output position -> the last point its bucket's flat input is held to, where
+    that is past the issue (passes/buckets: a reduce-scatter waited for later)."""
 
     OUTPUT = "output"
     """The name of the last point, ``len(order)``: where the step returns (``bytes(out)``)."""
@@ -263,12 +269,16 @@ class MemoryReport:
 
 
 def liveness(
-    space: StrategySpace, recompute: Sequence[Recompute] = (), early: Mapping[int, str] = {}
+    space: StrategySpace,
+    recompute: Sequence[Recompute] = (),
+    early: Mapping[int, str] = {},
+    held: Mapping[int, str] = {},
 ) -> Liveness:
     """Every storage of ``space``'s step and its life (module docstring); with
     ``recompute`` (passes/remat), the step in which any of them may be checkpointed
     ("Checkpointing"); ``early``: graph output position -> the node after which its
-    gradient's bucket is issued (passes/buckets; "Buckets")."""
+    gradient's bucket is issued, ``held``: -> the node after which the bucket's input is
+    freed, where later (``output``: the step's end) (passes/buckets; "Buckets")."""
     order = space.order
     groups: dict[str, list[Recompute]] = defaultdict(list)
     before: dict[str, list[Recompute]] = defaultdict(list)
@@ -412,6 +422,7 @@ def liveness(
         unit_at=unit_at,
         groups=dict(groups),
         early=issue_at,
+        held={pos: point_of.get(node, end) for pos, node in held.items()},
     )
 
 
@@ -478,11 +489,12 @@ def measure(
         blocks.append((n - 1, n - 1, size))
     buffers = delta["collective_buffers"]
     # a bucket: its flat input at the point that issues it, its output from then to the end
-    issued: dict[int, list[Sink]] = defaultdict(list)
+    issued: dict[tuple[int, int], list[Sink]] = defaultdict(list)
     for sink in space.sinks:
         if sink.position in lv.early:
-            issued[lv.early[sink.position]].append(sink)
-    for i, sinks in issued.items():
+            i = lv.early[sink.position]
+            issued[(i, max(i, lv.held.get(sink.position, i)))].append(sink)
+    for (i, freed), sinks in issued.items():
         flat = sum(
             local_bytes(*space.tensor(k.src, k.src_out), out_ps(k.src, k.src_out), mesh_shape)
             for k in sinks
@@ -493,9 +505,9 @@ def measure(
             if k.like is not None
         )
         buffers[i] += flat
-        buffers[i + 1] -= flat
+        buffers[freed + 1] -= flat
         delta["gradients"][i + 1] += reduced
-        blocks.extend([(i, i, flat), (i + 1, n - 1, reduced)])
+        blocks.extend([(i, freed, flat), (i + 1, n - 1, reduced)])
     for i, name in enumerate(lv.node_at):
         if space.targets[name] == "placeholder" or not lv.shown(i, recompute):
             continue
@@ -573,11 +585,23 @@ def bucketed(plan: Plan) -> dict[int, str]:
     return early
 
 
+def held_inputs(plan: Plan) -> dict[int, str]:
+    """Graph output position -> the node after which its bucket's flat input is freed
+    (``output``: the step's end), of each bucket that holds it past its issue: a
+    reduce-scatter waited for later (passes/buckets: the entry's ``overlap`` and
+    ``wait_after``)."""
+    held: dict[int, str] = {}
+    for c in plan.collectives:
+        if "bucket" in c and c["kind"] == "reduce_scatter" and c.get("overlap"):
+            held.update((p, c.get("wait_after", Liveness.OUTPUT)) for p in bucket_site(c)[1])
+    return held
+
+
 def simulate(space: StrategySpace, plan: Plan, optimizer: str = "adamw") -> MemoryReport:
     """The per-rank memory of ``plan``'s step, in the order it runs (``plan.order``, else
     the traced one; see the module docstring)."""
     out_ps, in_ps = plan_placements(plan)
     if plan.order:  # the order passes/order chose (placeholders first, as traced)
         space = replace(space, order=list(plan.order))
-    lv = liveness(space, plan.recompute, bucketed(plan))
+    lv = liveness(space, plan.recompute, bucketed(plan), held_inputs(plan))
     return measure(lv, out_ps, in_ps, optimizer, {r.group for r in plan.recompute})

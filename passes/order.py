@@ -34,7 +34,10 @@ cast, a weight times the input) frees nothing when it runs, so running it later 
 raises a point between: it joins the unit of the first node that reads it and runs just
 before it. The search orders the remaining nodes with those they bring: the units. A node
 stays in its part (forward or backward): one whose first reader is in the other part, or
-that nothing reads, is a unit of its own (a view: runs at the end of its part).
+that nothing reads, is a unit of its own (a view: runs at the end of its part), but for a
+backward node read only by the step's return (a gradient's view): it runs right after the
+last node it reads through neutral ones, so that the gradient's bucket (passes/buckets),
+issued after it, goes as early as it can.
 
 Decomposition (ROAM's key points). The forward runs before the backward (aot_autograd's
 partition runs them so). Within each, a unit that every other unit either precedes or
@@ -268,12 +271,16 @@ class _Units:
     nodes it runs (``members``: what it alone reads of the parameters' computations, then
     itself), the heads it follows (``preds``), and the neutral nodes that run just before
     each node (``hang``; ``hang[END_OF_FORWARD]`` / ``hang[END]``: read by no node of
-    their part, run at its end)."""
+    their part, run at its end, but for those in ``after``)."""
 
     heads: list[int]
     members: dict[int, list[int]]
     preds: dict[int, list[int]]
     hang: dict[int, list[int]]
+    after: dict[int, list[int]] = field(default_factory=dict)
+    """A neutral backward node that no node of the backward reads (a gradient's view, read
+    by the step's return) -> the nearest searched nodes it reads through neutral ones: it
+    runs right after the last of them to run, as soon as it can."""
 
 
 def _units(p: _Problem) -> _Units:
@@ -342,11 +349,17 @@ def _units(p: _Problem) -> _Units:
         members.setdefault(h, []).append(i)
         preds.setdefault(h, set()).update(head_of[a] for a in acc)
     heads = sorted(members)
+    # a gradient's view runs as soon as what it views is made, not at the backward's end:
+    # its bucket (passes/buckets) is issued after it
+    after = {i: sorted(through[i]) for i in hang.get(END, ()) if through[i]}
+    if after:
+        hang[END] = [i for i in hang[END] if i not in after]
     return _Units(
         heads=heads,
         members=members,
         preds={h: sorted(preds[h] - {h}) for h in heads},
         hang=hang,
+        after=after,
     )
 
 
@@ -530,6 +543,12 @@ def order_step(
     if not any(p.backward[h] for h in chosen):
         full.extend(units.hang.get(END_OF_FORWARD, ()))
     full.extend(units.hang.get(END, ()))
+    if units.after:  # each right after the last node it reads to run (traced order among them)
+        place = {v: k for k, v in enumerate(full)}
+        follow: dict[int, list[int]] = {}
+        for i, anchors in sorted(units.after.items()):
+            follow.setdefault(max(anchors, key=place.__getitem__), []).append(i)
+        full = [w for v in full for w in (v, *follow.get(v, ()))]
     full = _topological(full, p.preds)
     if len(full) != n or any(p.backward[a] and not p.backward[b] for a, b in zip(full, full[1:])):
         raise AssertionError("order: a node out of its part")

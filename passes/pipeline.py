@@ -19,7 +19,7 @@ to ``stats``. The pipeline of docs/architecture.md, as entries:
                  one with plan.order)
     buckets      strategies, plan, options               (count)       buckets,
                  (the state's plan is replaced by one                  bucketed_reductions
-                 with its gradient all-reduces bucketed)
+                 with its gradient reductions bucketed)
     memory       strategies, plan, options                   MemoryReport  step_peak_bytes,
                                                                        arena_bytes
                  (into plan.memory["step"], in
@@ -107,8 +107,8 @@ class PlanOptions:
     """Nodes fixed to strategies before the search (a whole plan: ``autopar.evaluate``)."""
 
     bucket_bytes: float = DEFAULT_BUCKET_BYTES
-    """The gradient all-reduces are grouped into buckets of about this many bytes
-    (passes/buckets; ``skip={"buckets"}``: one all-reduce per gradient, at the end)."""
+    """The gradient reductions are grouped into buckets of about this many bytes
+    (passes/buckets; ``skip={"buckets"}``: one reduction per gradient, at the end)."""
 
     forbid: tuple[tuple[tuple[str, str], ...], ...] = ()
     """Choices the plan may not make: each a tuple of ``(node, placements text)``, not all

@@ -63,20 +63,25 @@ axis, a gradient into its parameter's placement. Since x is one-hot, the margins
 edge's e are one-hot, which forces e to the single pair (p, q) chosen, so e needs no
 integrality.
 
-Overlap. A gradient's reduction that codegen issues in a bucket as soon as the bucket's
-gradients are made (one all-reduce on one axis, ``core.reduced_axis``; passes/buckets) runs beside
-the rest of the backward where the device overlaps collectives (CUDA), on its axis's
-stream, one bucket after another. With W every term above but the buckets' (``coef``),
-W_fwd the forward's share of it (its nodes and the edges into them, ``forward_coef``) and
-G_a the bucketable reductions on axis a (``bucket_coef``), the step then lasts
+Overlap. A gradient's all-reduce that codegen issues in a bucket as soon as the bucket's
+gradients are made (one all-reduce on one axis, ``_all_reduced_axis``; passes/buckets)
+runs beside the rest of the backward where the device overlaps collectives (CUDA), on its
+axis's stream, one bucket after another. With W
+every term above but the buckets' (``coef``), W_fwd the forward's share of it (its nodes
+and the edges into them, ``forward_coef``), G_a the bucketable reductions on axis a
+(``bucket_coef``) and B_a the backward's other collectives on axis a (``axis_coef``: the
+edges into backward nodes and the step's outputs that change axis a from a Shard or a
+Partial; they are in W, waited for where they are read, and the axis's stream runs them
+between the buckets), the step then lasts
 
-    T = max(W, W_fwd + G_a for each axis a)                          (``overlap``)
+    T = max(W, W_fwd + B_a + G_a for each axis a)                    (``overlap``)
 
 a reduction hidden behind the backward up to the backward's length and counting in full
 beyond it. The max is not what the ILP minimizes (as a variable h >= each term it solved
 ~13x slower on Llama-3-8B's bf16 step over (8,8), 66 s); instead each axis's G_a enters
 the objective at a share s_a (``bucket_scale``): first 1 - ``GRAD_OVERLAP`` (a quarter),
-then, solved, at the share the plan leaves unhidden, s_a = max(0, 1 - (W - W_fwd) / G_a),
+then, solved, at the share the plan leaves unhidden, s_a = max(0, 1 - (W - W_fwd - B_a) /
+G_a),
 and solved again while T gets shorter, ``OVERLAP_ROUNDS`` solves at most (a round that
 does not shorten T is undone: the last plan's solution, kept by ``IlpBuilder.hold``, is
 read again, with no solve). ``Solution.objective_s`` is T. Before, a flat 75% of every
@@ -84,10 +89,16 @@ gradient reduction counted as hidden: on Llama-3-8B over (8,8), in bf16 with flo
 gradients, ~150 ms of reductions over the inter-node axis, 110 ms of them called hidden
 behind a step of 56 ms of compute. The last bucket, issued after the last gradient, and
 the order of the others are left out of T: the plan's ``total_s`` is the emitted step
-simulated with them (core/schedule). Every other gradient reduction (a reduce-scatter, one
-over two axes, one before a cast) runs where codegen emits it, waited for, and is in W; so
-is every one on gloo, where codegen waits for each bucket where it is issued: there the
-objective is W.
+simulated with them (core/schedule). Every other gradient reduction (one over two axes,
+one before a cast) runs where codegen emits it, waited for, and is in W; so is every one
+on gloo, where codegen waits for each bucket where it is issued: there the objective is W.
+So is a reduce-scatter into a sharded parameter, though passes/buckets buckets it too and
+the emitted step overlaps it: counted as hidden, it led the search to plans whose
+reduce-scatter buckets hold up the backward's re-gathers on the same axis (their waits
+are on the critical path, which T, a bound on each stream's busy time, does not see):
+GPT-3 over (8,8) in bf16, T 2628 ms, the emitted step 2895 ms, where the plan found with
+them in W is 2738 ms as emitted. In W, T is an upper bound on what they cost, and
+``total_s`` credits the overlap the emitted step has.
 
 Memory. bytes(i), the bytes one rank holds after node i (passes/memory), is linear in the
 variables: a storage live at i made by output o of node v adds size(o under k) to x[v,k];
@@ -241,7 +252,7 @@ from autopar.core import (
     TensorInput,
     local_shape,
     placement_str,
-    reduced_axis,
+    reduction,
     roles,
 )
 from autopar.cost_models import (
@@ -501,6 +512,21 @@ def _edge_cost(src_ps, dst_ps, shape_dtype, mesh, profile) -> float | None:
         return None
 
 
+def _all_reduced_axis(src_ps, dst_ps) -> int | None:
+    """The axis of a gradient's reduction the objective counts in its bucket terms: one
+    all-reduce on one axis ("Overlap"; a reduce-scatter bucket is left in W)."""
+    found = reduction(src_ps, dst_ps)
+    return found[0] if found is not None and found[1] is None else None
+
+
+def _collective_axes(src_ps, dst_ps) -> list[int]:
+    """The mesh axes on which ``src -> dst`` runs a collective: those it changes from a
+    ``Shard`` or a ``Partial`` (from ``Replicate`` the change is a local chunk)."""
+    return [
+        i for i, (a, b) in enumerate(zip(src_ps, dst_ps)) if a != b and not isinstance(a, Replicate)
+    ]
+
+
 def _reduces_as(src_ps, dst_ps, reduce: str) -> bool:
     """Whether p -> q keeps to a gradient cast's ``reduce_at`` (``_pair_variables``)."""
     if reduce == "before":
@@ -595,6 +621,9 @@ class IlpBuilder:
         # the gradient buckets' reductions (kept out of ``coef``)
         self.forward_coef: dict = defaultdict(float)
         self.bucket_coef: dict[int, dict] = defaultdict(lambda: defaultdict(float))
+        # per mesh axis, the backward's other collectives on it (in ``coef``): they share
+        # the axis's stream with its buckets
+        self.axis_coef: dict[int, dict] = defaultdict(lambda: defaultdict(float))
         # per axis, the share of its bucket terms the objective counts (the rest hidden)
         self.bucket_scale: dict[int, float] = {}
         self.node_cost: dict[str, list[float]] = {}
@@ -758,6 +787,9 @@ class IlpBuilder:
                         self.coef[ev] += c * len(labels) * _SCALE
                         if forward:
                             self.forward_coef[ev] += c * len(labels) * _SCALE
+                        elif self.profile.overlaps_collectives:
+                            for a in _collective_axes(p, q):
+                                self.axis_coef[a][ev] += c * len(labels) * _SCALE
                     self.edge_terms.append(_EdgeTerm(labels, ev, p, q, c, shape_dtype))
         for p, xs in src_groups.items():
             self.lp.Add(sum(pair_vars_p[p]) == sum(xs))
@@ -822,7 +854,7 @@ class IlpBuilder:
             grad = space.roles[like] == roles.PARAM and self.profile.overlaps_collectives
             pairs = self._pair_variables(
                 labels, src, src_out, self.out_group(like, 0),
-                bucket=reduced_axis if grad else None,
+                bucket=_all_reduced_axis if grad else None,
             )  # fmt: skip
             self.sink_pairs.append((src, src_out, pairs, len(labels)))
 
@@ -993,8 +1025,8 @@ class IlpBuilder:
 
     def overlap(self) -> tuple[float, dict[int, float]]:
         """At the solution: the step's length (seconds) with each axis's buckets beside the
-        backward, max(W, W_fwd + G_a), and the share of each G_a that is not hidden,
-        max(0, 1 - (W - W_fwd) / G_a) ("Overlap")."""
+        backward, max(W, W_fwd + B_a + G_a), and the share of each G_a that is not hidden,
+        max(0, 1 - (W - W_fwd - B_a) / G_a) ("Overlap")."""
 
         # the choice variables rounded (the solver's tolerance leaves 1e-7 on a continuous
         # e; the plan is the rounded choice); a checkpointed group's time t as it is
@@ -1013,9 +1045,9 @@ class IlpBuilder:
         backward = whole - forward
         step, scales = whole, {}
         for axis, part in self.bucket_coef.items():
-            g = value(part)
-            step = max(step, forward + g)
-            scales[axis] = max(0.0, 1.0 - backward / g) if g > 0 else 0.0
+            g, busy = value(part), value(self.axis_coef.get(axis, {}))
+            step = max(step, forward + busy + g)
+            scales[axis] = max(0.0, 1.0 - (backward - busy) / g) if g > 0 else 0.0
         return step, scales
 
     # -- reading back ------------------------------------------------------------------------

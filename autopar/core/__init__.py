@@ -27,7 +27,7 @@ from .placements import (
     parse_placement,
     parse_placements,
     placement_str,
-    reduced_axis,
+    reduction,
 )
 from .plan import PLAN_FORMAT, STATS_ORDER, NodeChoice, Plan
 from .precision import MixedPrecision, cast_parameters
@@ -76,5 +76,5 @@ __all__ = [
     "parse_placement",
     "parse_placements",
     "placement_str",
-    "reduced_axis",
+    "reduction",
 ]

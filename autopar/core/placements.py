@@ -31,7 +31,7 @@ __all__ = [
     "parse_placement",
     "parse_placements",
     "placement_str",
-    "reduced_axis",
+    "reduction",
 ]
 
 Placements = tuple[Placement, ...]
@@ -118,14 +118,24 @@ def local_offset(
     return tuple(start)
 
 
-def reduced_axis(src: Placements, dst: Placements) -> int | None:
-    """The one mesh axis on which ``src -> dst`` goes from ``Partial`` to ``Replicate``, the
-    other axes unchanged (one all-reduce: a gradient passes/buckets may bucket), else None."""
+def reduction(src: Placements, dst: Placements) -> tuple[int, int | None] | None:
+    """``(axis, scatter dim)`` where ``src -> dst`` is one reduction on one mesh axis, the
+    other axes unchanged: ``Partial -> Replicate`` there is one all-reduce (``(axis,
+    None)``), ``Partial -> Shard(d)`` one reduce-scatter along ``d`` (``(axis, d)``; not a
+    ``_StridedShard``, which is no plain scatter). Else None. A gradient passes/buckets may
+    bucket."""
     changed = [i for i, (a, b) in enumerate(zip(src, dst)) if a != b]
     if len(changed) != 1:
         return None
     (i,) = changed
-    return i if isinstance(src[i], Partial) and isinstance(dst[i], Replicate) else None
+    if not isinstance(src[i], Partial):
+        return None
+    if isinstance(dst[i], Replicate):
+        return i, None
+    target = dst[i]
+    if type(target) is Shard:
+        return i, target.dim
+    return None
 
 
 def contiguous_stride(shape) -> tuple[int, ...]:

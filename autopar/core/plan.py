@@ -173,8 +173,10 @@ class Plan:
             graph edge: ``producer->consumer`` node names), ``module`` (the module path of
             the consumer) or ``param`` (a gradient reduction: the parameter's name),
             ``kind``, ``axis`` (name), ``nbytes``, ``group_size`` and ``time_s``; a bucket
-            of gradient all-reduces (passes/buckets) is one entry with ``bucket`` (its
-            index), ``params``, ``dtype``, ``op`` and ``overlap``.
+            of gradient reductions (passes/buckets: all-reduces, or reduce-scatters into
+            sharded parameters) is one entry with ``bucket`` (its index), ``params``,
+            ``dtype``, ``op``, ``overlap`` and, where it is waited for where the next is
+            issued, ``wait_after``.
         cost: ``compute_s``, ``comm_s`` (every collective of the step, nothing hidden),
             ``total_s`` and ``comm_by_kind_s``. With gradient buckets (passes/buckets),
             ``total_s`` is the emitted step simulated (``emitted_step_s``) and the solver's

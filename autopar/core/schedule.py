@@ -32,7 +32,9 @@ Two issue rules give two schedules:
       gradient reductions when the backward ends (the graph's outputs, passes/codegen),
       except buckets, issued after their last gradient: where the profile overlaps
       collectives (the entry's ``overlap``: CUDA) the compute stream runs on and the
-      bucket is waited for at the end; else (gloo) the compute stream waits for it there.
+      bucket is waited for at the end, or after the point its ``wait_after`` names (a
+      reduce-scatter bucket, where the next on its axis is issued: the compute stream
+      waits there for it to end); else (gloo) the compute stream waits for it there.
       Nothing else overlaps.
     - ``overlap=True``: every collective is issued as soon as its input is made (a reshard
       when ``src`` ends, a gradient reduction when its gradient does), as a prefetching,
@@ -141,6 +143,7 @@ def schedule(plan: Plan, *, overlap: bool = False) -> list[Span]:
     grads: list[dict] = []
     inside: dict[str, list[dict]] = defaultdict(list)  # a node's own, in its cost_s
     waited: set[int] = set()  # a bucket the compute stream waits for where it is issued
+    wait_at: dict[str, list[dict]] = defaultdict(list)  # buckets waited for after a point
     for c in plan.collectives:
         src, dst = edge_ends(c["edge"])
         if src == dst:
@@ -151,6 +154,8 @@ def schedule(plan: Plan, *, overlap: bool = False) -> list[Span]:
                 after[src].append(c)
                 if not c.get("overlap") and not overlap:
                     waited.add(id(c))
+                elif "wait_after" in c and not overlap:
+                    wait_at[c["wait_after"]].append(c)
                 continue
             grads.append(c)
             if overlap and src in position:
@@ -195,6 +200,7 @@ def schedule(plan: Plan, *, overlap: bool = False) -> list[Span]:
         if overlap:
             issue(after.get(p, []), clock)
         else:
+            clock = max([clock] + [ends[id(c)] for c in wait_at.get(p, []) if id(c) in ends])
             buckets = [c for c in after.get(p, []) if "bucket" in c]
             issue(buckets, clock)
             clock = max([clock] + [ends[id(c)] for c in buckets if id(c) in waited])

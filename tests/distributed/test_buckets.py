@@ -1,5 +1,6 @@
 """Gradient buckets (passes/buckets) as the compiled step runs them, on a gloo mesh, against
-one device: the plan's buckets are the all-reduces the step runs, the backward issues each
+one device: the plan's buckets are the collectives the step runs (all-reduces under data
+parallelism, reduce-scatters into sharded parameters under FSDP), the backward issues each
 one after its last gradient, and the result is the single-device one in float64."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import autopar
 from autopar import experts
+from autopar.core import parse_placements, reduction
 from autopar.models import GPT, GPTConfig, cross_entropy_loss, lm_batch
 from autopar.runtime import run_local
 from autopar.verify import CollectiveBytes
@@ -27,29 +29,51 @@ def _gpt() -> GPT:
     return GPT(CFG).double()
 
 
-def _plan(skip=()) -> autopar.Plan:
+# (strategy, the kind of its gradient reductions, the bytes a gradient is made with over
+# the bytes its parameter holds: 1, or the 2 ranks' shards)
+STRATEGIES = {
+    "dp": ("all_reduce", 1),
+    "fsdp": ("reduce_scatter", 2),
+    # FSDP with attention's weights sharded along dim 1: buckets that mix members scattered
+    # along dim 0 and along dim 1
+    "fsdp-dim1": ("reduce_scatter", 2),
+}
+
+
+def _constraints(strategy: str, mesh: autopar.Mesh) -> dict[str, str]:
+    if strategy == "fsdp-dim1":
+        return {"*.attn.*.weight": "S(1)", **experts.fsdp(mesh)}
+    return getattr(experts, strategy)(mesh)
+
+
+def _plan(strategy: str = "dp", skip=()) -> autopar.Plan:
     tokens, targets = lm_batch(CFG.vocab, BATCH, CFG.seq)
     mesh = autopar.Mesh((2,), ("dp",), device="cpu")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return autopar.plan(
             _gpt(), mesh, (tokens,), loss_fn=cross_entropy_loss, example_targets=(targets,),
-            constraints=experts.dp(mesh), bucket_mb=BUCKET_MB, skip=skip,
+            constraints=_constraints(strategy, mesh), bucket_mb=BUCKET_MB, skip=skip,
         )  # fmt: skip
 
 
-def _bucket_reduces(gm: torch.fx.GraphModule) -> list[int]:
-    """Positions of the all-reduces of a flattened bucket (of a ``cat``) in ``gm``."""
+def _bucket_reduces(gm: torch.fx.GraphModule, kind: str) -> list[int]:
+    """Positions of the reductions (``kind``) of a flattened bucket (of a ``cat``) in
+    ``gm``."""
+    target = {
+        "all_reduce": torch.ops._c10d_functional.all_reduce.default,
+        "reduce_scatter": torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    }[kind]
     return [
         i
         for i, n in enumerate(gm.graph.nodes)
         if n.op == "call_function"
-        and n.target is torch.ops._c10d_functional.all_reduce.default
+        and n.target is target
         and n.args[0].target is torch.ops.aten.cat.default
     ]
 
 
-def _train(rank, world, plan_json: str, overlap: bool):
+def _train(rank, world, plan_json: str, overlap: bool, kind: str):
     from autopar.passes import codegen
 
     model = _gpt()
@@ -109,7 +133,7 @@ def _train(rank, world, plan_json: str, overlap: bool):
     )
     backward = pm.compiled.graphs["backward"]
     nodes = list(backward.graph.nodes)
-    reduces = _bucket_reduces(backward)
+    reduces = _bucket_reduces(backward, kind)
     waits = [
         i
         for i, n in enumerate(nodes)
@@ -128,6 +152,7 @@ def _train(rank, world, plan_json: str, overlap: bool):
         "grad_err": grad_err,
         "param_err": param_err,
         "counts": counted.counts,
+        "bytes": counted.bytes,
         "reduces": reduces,
         "waits": waits,
         "first_kernel_after_reduce": min((k for k in kernels if k > reduces[0]), default=None),
@@ -135,18 +160,48 @@ def _train(rank, world, plan_json: str, overlap: bool):
     }
 
 
-def test_bucketed_plan_groups_the_gradient_all_reduces():
-    bucketed, alone = _plan(), _plan(skip={"buckets"})
+@pytest.mark.parametrize(
+    "src, dst, want",
+    [
+        ("P(sum);R", "R;R", (0, None)),  # an all-reduce
+        ("R;P(avg)", "R;R", (1, None)),
+        ("P(sum);S(0)", "R;S(0)", (0, None)),  # the other axis as it was
+        ("P(sum);R", "S(1);R", (0, 1)),  # a reduce-scatter along dim 1
+        ("P(sum);P(sum)", "R;R", None),  # two axes
+        ("P(sum);R", "R;S(0)", None),  # and a chunk on the other
+        ("S(0);R", "R;R", None),  # an all-gather
+        ("P(sum);R", "SS(0,2);R", None),  # no plain scatter
+        ("R;R", "R;R", None),
+    ],
+)
+def test_reduction_is_one_collective_on_one_axis(src, dst, want):
+    assert reduction(parse_placements(src.split(";")), parse_placements(dst.split(";"))) == want
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_bucketed_plan_groups_the_gradient_reductions(strategy):
+    kind, made_over_held = STRATEGIES[strategy]
+    bucketed, alone = _plan(strategy), _plan(strategy, skip={"buckets"})
     n_params = len(bucketed.params)
-    ar = ("all_reduce", "dp")
-    # one all-reduce per gradient without buckets, and the loss's (its value and its
-    # backward's); far fewer with them
-    loss = [c for c in alone.collectives if "param" not in c]
+    # the loss's all-reduces (its value and its backward's), never bucketed
+    loss = [c for c in alone.collectives if "param" not in c and c["kind"] == "all_reduce"]
     assert len(loss) == 2
-    assert alone.collective_counts()[ar] == n_params + len(loss)
+    # one reduction per gradient without buckets; far fewer with them
+    alone_counts, counts = alone.collective_counts(), bucketed.collective_counts()
+    loss_n = len(loss) if kind == "all_reduce" else 0
+    assert alone_counts[(kind, "dp")] == n_params + loss_n
     buckets = [c for c in bucketed.collectives if "bucket" in c]
+    assert {c["kind"] for c in buckets} == {kind}
+    if strategy == "fsdp-dim1":  # a bucket mixes the dims its members scatter along
+        dims = {n: ps[0].dim for n, ps in bucketed.param_placements.items()}
+        assert any({dims[n] for n in c["params"]} == {0, 1} for c in buckets), [
+            c["params"] for c in buckets
+        ]
     assert 2 <= len(buckets) < n_params // 2
-    assert bucketed.collective_counts()[ar] == len(buckets) + len(loss)
+    assert counts[(kind, "dp")] == len(buckets) + loss_n
+    # nothing else changes: FSDP's all-gathers stay as they were
+    others = {k: v for k, v in alone_counts.items() if k != (kind, "dp")}
+    assert {k: v for k, v in counts.items() if k != (kind, "dp")} == others
     # the same bytes move, each bucket over its cap only by its last gradient
     assert bucketed.collective_bytes() == alone.collective_bytes()
     assert sum(len(c["params"]) for c in buckets) == n_params
@@ -160,26 +215,34 @@ def test_bucketed_plan_groups_the_gradient_all_reduces():
     assert bucketed.cost["total_s"] == pytest.approx(bucketed.emitted_step_s())
     assert "objective_s" in bucketed.cost
     # the memory model frees each bucket's gradients where it is issued: at the step's
-    # return each gradient is held once (reduced), not twice (as made, and reduced)
+    # return each gradient is held once (reduced, as its parameter is placed), not also as
+    # made (the ranks' shards of it under FSDP)
     grads_at_end = bucketed.memory["step"]["timeline"]["gradients"][-1]
     alone_end = alone.memory["step"]["timeline"]["gradients"][-1]
-    assert grads_at_end * 2 == alone_end
+    assert grads_at_end * (1 + made_over_held) == alone_end
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("overlap", [False, True], ids=["gloo", "waited-at-end"])
-def test_buckets_run_as_planned_and_match_one_device(overlap):
-    plan = _plan()
+@pytest.mark.parametrize(
+    "strategy, overlap",
+    [("dp", False), ("dp", True), ("fsdp", False), ("fsdp-dim1", False)],
+    ids=["dp-gloo", "dp-waited-at-end", "fsdp-gloo", "fsdp-dim1-gloo"],
+)  # (FSDP's backward all-gathers on the axis: its buckets are not left in flight on gloo)
+def test_buckets_run_as_planned_and_match_one_device(strategy, overlap):
+    kind = STRATEGIES[strategy][0]
+    plan = _plan(strategy)
     buckets = [c for c in plan.collectives if "bucket" in c]
-    results = run_local(_train, 2, plan.to_json(), overlap)
+    results = run_local(_train, 2, plan.to_json(), overlap, kind)
     for r in results:
         for a, b in r["losses"]:
             assert a == pytest.approx(b, rel=1e-12)
         assert r["grad_err"] < 1e-10
         assert r["param_err"] < 1e-8  # (AdamW scales the keys' bias rounding up)
     r0 = results[0]
-    # the step runs the plan's all-reduces: one per bucket and the loss's
-    assert r0["counts"][("all_reduce", "dp")] == plan.collective_counts()[("all_reduce", "dp")]
+    # the step runs the plan's collectives: one reduction per bucket, the loss's, and
+    # (FSDP) the all-gathers, with the plan's bytes
+    assert r0["counts"] == plan.collective_counts()
+    assert r0["bytes"] == plan.collective_bytes()
     assert len(r0["reduces"]) == len(buckets)
     # the first bucket is issued before the backward's kernels end
     assert r0["first_kernel_after_reduce"] is not None

@@ -7,6 +7,7 @@ moves no data) stands behind a 2-rank ``tp`` mesh; codegen only traces the local
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
 
 import pytest
@@ -69,3 +70,80 @@ def test_megatron_pair_emits_one_all_reduce_of_the_loss(tp_mesh):
     assert len(mms) == 5  # 2 forward, 3 backward (no gradient for the input)
     assert all(FFN // 2 in n.meta["val"].shape or n.meta["val"].shape == (1, HIDDEN) for n in mms)
     assert {tuple(n.meta["val"].shape) for n in mms[:2]} == {(1, FFN // 2), (1, HIDDEN)}
+
+
+def test_cuda_reduce_scatter_buckets_hold_one_input_per_axis(tp_mesh, monkeypatch):
+    """FSDP's gradient reduce-scatters on a GPU profile: each bucket is waited for where the
+    next is issued (the process group holds a collective's input, G times its output,
+    until its wait), in the plan, in its memory and schedule, and in the compiled
+    backward the step runs."""
+    from autopar import experts
+    from autopar.core.schedule import COMM, COMPUTE, schedule
+    from autopar.models import GPT, GPTConfig, cross_entropy_loss, lm_batch
+    from autopar.passes import codegen
+
+    cfg = GPTConfig(vocab=64, seq=16, hidden=32, heads=4, layers=2, ffn=64)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    tokens, targets = lm_batch(cfg.vocab, 8, cfg.seq)
+    mesh = autopar.Mesh((2,), ("dp",), device="h100")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = autopar.plan(
+            model, mesh, (tokens,), loss_fn=cross_entropy_loss, example_targets=(targets,),
+            constraints=experts.fsdp(mesh), bucket_mb=0.02,
+        )  # fmt: skip
+    buckets = [c for c in plan.collectives if "bucket" in c]
+    assert len(buckets) >= 3 and {c["kind"] for c in buckets} == {"reduce_scatter"}
+    sites = [c["edge"].partition("->")[0] for c in buckets]
+    # each waited for where the next is issued, the last at the backward's end
+    assert [c.get("wait_after") for c in buckets] == sites[1:] + [None]
+
+    # memory: a bucket's flat input held from its issue to the next one's
+    timeline = plan.memory["step"]["timeline"]
+    at = {n: i for i, n in enumerate(timeline["nodes"])}
+    held = timeline["collective_buffers"]
+    for c, nxt in zip(buckets, sites[1:]):
+        i, j = at[c["edge"].partition("->")[0]], at[nxt]
+        assert min(held[i : j + 1]) >= c["nbytes"]
+    # schedule: the compute after a wait starts once the bucket waited for has ended (the
+    # buckets alone, each taken as 10 ms, longer than the backward between two: each wait
+    # binds, and nothing else on the axis queues behind them)
+    slow = dataclasses.replace(plan, collectives=tuple({**c, "time_s": 0.01} for c in buckets))
+    spans = schedule(slow)
+    end = {s.name: s.end_s for s in spans if s.stream == COMM}
+    start = {s.name: s.start_s for s in spans if s.stream == COMPUTE}
+    order = timeline["nodes"]
+    checked = 0
+    for c in buckets[:-1]:
+        after = [n for n in order[at[c["wait_after"]] + 1 :] if n in start]
+        if after:  # (a wait after the backward's last node: nothing runs after it)
+            assert start[after[0]] >= end[c["edge"]] - 1e-12
+            checked += 1
+    assert checked >= 1
+
+    # the compiled backward: bucket k's wait before bucket k+1's reduce-scatter
+    dmesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    init = codegen._Localizer.__init__
+
+    def as_on_cuda(self, *a, **k):  # the CUDA emission, traced on the fake group
+        init(self, *a, **k)
+        self.overlap = True
+
+    monkeypatch.setattr(codegen._Localizer, "__init__", as_on_cuda)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = autopar.compile(
+            model, dmesh, (tokens,), loss_fn=cross_entropy_loss, example_targets=(targets,),
+            plan=plan,
+        )  # fmt: skip
+    nodes = list(pm.compiled.graphs["backward"].graph.nodes)
+    scatter = torch.ops._c10d_functional.reduce_scatter_tensor.default
+    wait = torch.ops._c10d_functional.wait_tensor.default
+    issued = [i for i, n in enumerate(nodes) if n.target is scatter]
+    waited = {
+        nodes[i].args[0]: i for i, n in enumerate(nodes) if n.target is wait
+    }  # collective node -> its wait's position
+    assert len(issued) == len(buckets)
+    for k, i in enumerate(issued[:-1]):
+        assert i < waited[nodes[i]] < issued[k + 1]

@@ -97,6 +97,24 @@ def test_the_order_lowers_the_measured_peak_and_computes_the_same_bits():
     assert plan.memory["step"]["peak_bytes"] < plan.stats["traced_peak_bytes"]
 
 
+def test_a_gradients_view_runs_right_after_what_it_views():
+    """Not at the backward's end: the gradient's bucket (passes/buckets) is issued after
+    it, and a bucket issued at the end overlaps nothing."""
+    model, inputs, targets, plan, step = _planned(Branches(), ONE)
+    assert plan.order
+    at = {n: i for i, n in enumerate(plan.order)}
+    outputs = next(n for n in step.gm.graph.nodes if n.op == "output").args[0]
+    views = [
+        o
+        for o in outputs
+        if o is not None and o.target in (torch.ops.aten.t.default, torch.ops.aten.view.default)
+    ]
+    assert len(views) == 2 * K  # each linear layer's weight and bias
+    for v in views:
+        (made,) = v.all_input_nodes
+        assert at[v.name] == at[made.name] + 1, (v.name, made.name)
+
+
 def test_the_order_is_deterministic_and_round_trips_through_json():
     *_, first, _ = _planned(Branches(), ONE)
     *_, second, _ = _planned(Branches(), ONE)
