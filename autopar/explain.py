@@ -97,20 +97,21 @@ def resolve_target(plan: Plan, target: str) -> tuple[str, list[tuple[str, str]]]
 
 
 def _parts(plan: Plan) -> dict[str, float]:
-    """Seconds by part, summing to the plan's estimated step time: compute (recomputation
-    included), each collective kind per mesh axis at its own time, and the rest of the
-    communication term (the overlap credit of gradient reductions, and reshards that move
-    no bytes between ranks)."""
+    """Seconds by part, summing to the plan's estimated step time (``total_s``): compute
+    (recomputation included), each collective kind per mesh axis at its own time, and the
+    rest (the overlap the step has: gradient buckets and reshards issued ahead beside the
+    compute, a negative time; the host's fixed time per step; reshards that move no bytes
+    between ranks)."""
     parts: dict[str, float] = defaultdict(float)
     parts["compute"] = plan.cost.get("compute_s", 0.0)
     for c in plan.collectives:
         parts[f"{c['kind']} on {c['axis']}"] += c.get("time_s", 0.0)
-    listed = sum(v for k, v in parts.items() if k != "compute")
-    parts[_REST] = plan.cost.get("comm_s", 0.0) - listed
+    listed = sum(parts.values())
+    parts[_REST] = plan.cost.get("total_s", listed) - listed
     return dict(parts)
 
 
-_REST = "overlap credit and local reshards"
+_REST = "overlap, host time and local reshards"
 
 
 def _placements(plan: Plan, members: list[tuple[str, str]]) -> list[str]:

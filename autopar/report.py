@@ -404,7 +404,8 @@ def render_html(plan: Plan) -> str:
         '<section id="timeline"><h2>Schedule of one rank</h2>',
         "<p>Compute and communication streams, simulated from the plan's node costs and "
         "collectives (hover a bar for what it holds). Above: the step as emitted, each "
-        "reshard issued when its consumer is reached, each gradient bucket after its last "
+        "reshard issued when its consumer is reached (or, prefetched, ahead of it), each "
+        "gradient bucket after its last "
         "gradient and the other gradient reductions after the "
         f"backward ({_ms(emitted_s)} ms). Below: each collective issued as soon as its input "
         f"is made ({_ms(overlapped_s)} ms); what the lanes share there is overlap. Both are "

@@ -193,5 +193,5 @@ def render(plan: Plan, console: Console) -> None:
     times.add_row("[bold]total[/bold]", f"{total_s * 1e3:.4f}", share(total_s))
     times.add_row(
         "the step as emitted, simulated", f"{time['emitted_step_s'] * 1e3:.4f}", ""
-    )  # core/schedule: what codegen emits overlaps its gradient buckets alone
+    )  # core/schedule: what codegen emits overlaps its gradient buckets and prefetches
     console.print(times)

@@ -50,6 +50,11 @@ backward, and a reduce-scatter bucket where the next one on its axis is issued (
 ``wait_after``: its input, G times its output, is held until the wait); on gloo a bucket is
 waited for at once, one collective in flight per group as with the ring's shifts.
 
+On CUDA a reshard the plan issues ahead of its consumer (passes/prefetch: the entry's
+``issue_after``) is traced where its consumer reads it, then moved with the ops that
+prepare its input to right after the node it is issued after (``hoist_prefetched``); its
+wait stays before the consumer, so the collective runs beside the nodes between.
+
 The compiled forward and backward graphs are kept in ``CompiledStep.graphs``. Before
 aot_autograd partitions the local graph, each collective is pinned to the graph that holds
 it (``pin_collectives``): its default partition would otherwise run a collective twice
@@ -595,9 +600,86 @@ def build_local_graph(step: StepGraph, plan: Plan, dmesh) -> LocalStep:
             p.meta.update(b.meta)
             b.replace_all_uses_with(p)
             gm.graph.erase_node(b)
+    if interp.overlap:
+        hoist_prefetched(gm, plan)
     gm.graph.lint()
     gm.recompile()
     return LocalStep(gm=gm, mismatches=interp.mismatches)
+
+
+def _made_by(n: torch.fx.Node) -> str | None:
+    """The step graph's node whose interpretation made local node ``n`` (a placeholder:
+    its own name).
+
+    NOTE: ``from_node`` (a list of ``torch.fx.traceback.NodeSource``, which
+    ``preserve_node_meta`` records on every node make_fx creates) is the only record of it;
+    tests/unit/test_torch_internals.py fails if torch stops writing it."""
+    if n.op == "placeholder":
+        return n.name
+    source = n.meta.get("from_node")
+    return source[-1].name if source else None
+
+
+def hoist_prefetched(gm: torch.fx.GraphModule, plan: Plan) -> int:
+    """Move each prefetched reshard's collective (passes/prefetch: ``issue_after``), with
+    the ops its consumer's interpretation made to prepare its input, to right after the
+    last op of the node it is issued after (after the placeholders, for a placeholder); its
+    wait stays before the consumer, which the collective then runs ahead of. Returns how
+    many moved (a reshard whose input is made after that point stays where it is)."""
+    nodes = list(gm.graph.nodes)
+    position: dict[torch.fx.Node, float] = {n: i for i, n in enumerate(nodes)}
+    made: dict[str, list[torch.fx.Node]] = {}
+    for n in nodes:
+        name = _made_by(n)
+        if name is not None:
+            made.setdefault(name, []).append(n)
+    last_placeholder = max((n for n in nodes if n.op == "placeholder"), key=position.__getitem__)
+    moved = 0
+    for c in plan.collectives:
+        if "issue_after" not in c:
+            continue
+        src, dst = c["edge"].split("->")
+        at = c["issue_after"]
+        anchor = made.get(at, [None])[-1]
+        if anchor is None:
+            continue
+        if anchor.op == "placeholder":
+            anchor = last_placeholder
+        mine = set(made.get(dst, ()))
+        for coll in made.get(dst, ()):
+            if not _is_collective(coll):
+                continue
+            # the collective and what the consumer's interpretation made for its input
+            block, stack = set(), [coll]
+            while stack:
+                n = stack.pop()
+                if n in block:
+                    continue
+                block.add(n)
+                stack.extend(a for a in n.all_input_nodes if a in mine)
+            outside = {a for n in block for a in n.all_input_nodes if a not in block}
+            if not any(_made_by(a) == src for a in outside):
+                continue  # another input's reshard
+            if any(position[a] > position[anchor] for a in outside):
+                break  # its input is made later: issued where it is
+            base, ranked = position[anchor], sorted(block, key=position.__getitem__)
+            for k, n in enumerate(ranked):
+                anchor.append(n)
+                anchor = n
+                position[n] = base + (k + 1) / (len(ranked) + 1)  # (between, as now)
+            moved += 1
+            break
+    return moved
+
+
+def _is_collective(n: torch.fx.Node) -> bool:
+    target = n.target
+    return (
+        n.op == "call_function"
+        and isinstance(target, torch._ops.OpOverload)
+        and target.namespace == "_c10d_functional"
+        and target is not torch.ops._c10d_functional.wait_tensor.default
+    )
 
 
 def pin_collectives(gm: torch.fx.GraphModule) -> None:

@@ -53,6 +53,10 @@ gradients. Those outputs are left out of ``bytes(out)``. A reduce-scatter bucket
 wait is later (on CUDA: the process group holds its input to the wait, the entry's
 ``wait_after`` or the step's end; ``Liveness.held``) holds its flat input to that point.
 
+Prefetch (passes/prefetch): a reshard issued ahead of its consumer (the entry's
+``issue_after``) holds its output, a collective buffer, from the point after its issue to
+its consumer (``Liveness.prefetched``), not at the consumer alone.
+
 Categories: ``parameters`` (parameters and buffers, the whole step; a tied parameter once),
 ``inputs`` (inputs and targets, the whole step), ``gradients`` (a parameter's gradient, from
 its node to the end: the optimizer reads it), ``activations`` (made in the forward, last used
@@ -85,7 +89,7 @@ import torch
 from torch.distributed.tensor import Replicate
 
 from autopar.core import Plan, Recompute, Sink, StrategySpace, local_shape, parse_placements, roles
-from autopar.core.schedule import bucket_site
+from autopar.core.schedule import bucket_site, edge_ends
 
 from .layout import arena
 from .remat import COPY, storage_map
@@ -102,6 +106,7 @@ __all__ = [
     "local_bytes",
     "measure",
     "plan_placements",
+    "prefetched",
     "simulate",
 ]
 
@@ -186,6 +191,9 @@ class Liveness:
     held: dict[int, int] = field(default_factory=dict)
     """Graph output position -> the last point its bucket's flat input is held to, where
     that is past the issue (passes/buckets: a reduce-scatter waited for later)."""
+    prefetched: dict[tuple[str, str], int] = field(default_factory=dict)
+    """``(producer, consumer)`` of a reshard issued early -> the point whose end issues it
+    (passes/prefetch)."""
 
     OUTPUT = "output"
     """The name of the last point, ``len(order)``: where the step returns (``bytes(out)``)."""
@@ -273,12 +281,15 @@ def liveness(
     recompute: Sequence[Recompute] = (),
     early: Mapping[int, str] = {},
     held: Mapping[int, str] = {},
+    prefetched: Mapping[tuple[str, str], str] = {},
 ) -> Liveness:
     """Every storage of ``space``'s step and its life (module docstring); with
     ``recompute`` (passes/remat), the step in which any of them may be checkpointed
     ("Checkpointing"); ``early``: graph output position -> the node after which its
     gradient's bucket is issued, ``held``: -> the node after which the bucket's input is
-    freed, where later (``output``: the step's end) (passes/buckets; "Buckets")."""
+    freed, where later (``output``: the step's end) (passes/buckets; "Buckets");
+    ``prefetched``: ``(producer, consumer)`` -> the node after which that reshard is issued
+    (passes/prefetch; "Prefetch")."""
     order = space.order
     groups: dict[str, list[Recompute]] = defaultdict(list)
     before: dict[str, list[Recompute]] = defaultdict(list)
@@ -423,6 +434,7 @@ def liveness(
         groups=dict(groups),
         early=issue_at,
         held={pos: point_of.get(node, end) for pos, node in held.items()},
+        prefetched={e: point_of[node] for e, node in prefetched.items() if node in point_of},
     )
 
 
@@ -520,9 +532,12 @@ def measure(
                 continue
             shape, dtype = space.tensor(src, so)
             size = local_bytes(shape, dtype, q, mesh_shape)
-            buffers[i] += size
+            first = i
+            if lv.order[i] == name:  # (not a copy) issued ahead: held from its issue on
+                first = min(i, lv.prefetched.get((src, name), i - 1) + 1)
+            buffers[first] += size
             buffers[i + 1] -= size
-            blocks.append((i, i, size))
+            blocks.append((first, i, size))
     shown = [i for i in range(n) if lv.shown(i, recompute)]
     by_category: dict[str, list[int]] = {}
     for c in CATEGORIES:
@@ -597,11 +612,22 @@ def held_inputs(plan: Plan) -> dict[int, str]:
     return held
 
 
+def prefetched(plan: Plan) -> dict[tuple[str, str], str]:
+    """``(producer, consumer)`` -> the node after which that reshard is issued, of each
+    reshard issued ahead of its consumer (passes/prefetch: the entry's ``issue_after``)."""
+    found = {}
+    for c in plan.collectives:
+        if "issue_after" in c:
+            src, dst = edge_ends(c["edge"])
+            found[(src, dst)] = c["issue_after"]
+    return found
+
+
 def simulate(space: StrategySpace, plan: Plan, optimizer: str = "adamw") -> MemoryReport:
     """The per-rank memory of ``plan``'s step, in the order it runs (``plan.order``, else
     the traced one; see the module docstring)."""
     out_ps, in_ps = plan_placements(plan)
     if plan.order:  # the order passes/order chose (placeholders first, as traced)
         space = replace(space, order=list(plan.order))
-    lv = liveness(space, plan.recompute, bucketed(plan), held_inputs(plan))
+    lv = liveness(space, plan.recompute, bucketed(plan), held_inputs(plan), prefetched(plan))
     return measure(lv, out_ps, in_ps, optimizer, {r.group for r in plan.recompute})

@@ -20,6 +20,9 @@ to ``stats``. The pipeline of docs/architecture.md, as entries:
     buckets      strategies, plan, options               (count)       buckets,
                  (the state's plan is replaced by one                  bucketed_reductions
                  with its gradient reductions bucketed)
+    prefetch     strategies, plan, options               (count)       prefetched
+                 (the state's plan is replaced by one
+                 with its reshards issued early)
     memory       strategies, plan, options                   MemoryReport  step_peak_bytes,
                                                                        arena_bytes
                  (into plan.memory["step"], in
@@ -32,7 +35,7 @@ to ``stats``. The pipeline of docs/architecture.md, as entries:
 ``autopar``). A stage named in ``skip`` does not run: its output is None and its statistics
 say so; only stages marked ``skippable`` may be skipped (``fold``: ``fold=False`` of the
 public API is ``skip={"fold"}``; ``order``: the traced order; ``buckets``: one all-reduce
-per gradient; ``memory``). A new stage is a new entry in a list (``PLAN_STAGES``,
+per gradient; ``prefetch``: each reshard issued at its consumer; ``memory``). A new stage is a new entry in a list (``PLAN_STAGES``,
 ``COMPILE_STAGES``), not an edit of the driver.
 """
 
@@ -56,6 +59,7 @@ from .memory import OPTIMIZERS, MemoryReport, simulate
 from .order import Ordering, order_step
 from .pins import Pin
 from .pins import resolve as resolve_pins
+from .prefetch import prefetch_reshards
 from .solve import DEVICE_BUDGET, solve
 from .strategies import build_strategies
 from .trace import StepGraph, trace_step
@@ -299,6 +303,16 @@ def _buckets_stats(buckets: int | None) -> dict:
     return {"buckets": 0 if buckets is None else buckets}
 
 
+def _prefetch(state: dict) -> int:
+    plan = prefetch_reshards(state["strategies"], state["plan"], state["options"].optimizer)
+    state["plan"] = plan
+    return int(plan.stats.get("prefetched", 0))
+
+
+def _prefetch_stats(prefetched: int | None) -> dict:
+    return {"prefetched": 0 if prefetched is None else prefetched}
+
+
 def _memory(state: dict) -> MemoryReport:
     return simulate(state["strategies"], state["plan"], optimizer=state["options"].optimizer)
 
@@ -319,11 +333,13 @@ PLAN_STAGES = (
 REPORT_STAGES = (
     Stage("order", _order, _order_stats, skippable=True),
     Stage("buckets", _buckets, _buckets_stats, skippable=True),
+    Stage("prefetch", _prefetch, _prefetch_stats, skippable=True),
     Stage("memory", _memory, _memory_stats, skippable=True),
 )
 """On the assembled Plan: the operator order (passes/order), into ``plan.order``; the
-gradient buckets (passes/buckets), into ``plan.collectives``; and the step memory per rank
-in that order (passes/memory), into ``plan.memory``."""
+gradient buckets (passes/buckets) and the reshards issued early (passes/prefetch), into
+``plan.collectives``; and the step memory per rank in that order (passes/memory), into
+``plan.memory``."""
 COMPILE_STAGES = (Stage("codegen", _codegen, _codegen_stats),)
 """From a plan to the compiled local step: what ``autopar.compile`` runs after planning."""
 ALL_STAGES = (TRACE, *PLAN_STAGES, *REPORT_STAGES, *COMPILE_STAGES)

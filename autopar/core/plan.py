@@ -176,7 +176,8 @@ class Plan:
             of gradient reductions (passes/buckets: all-reduces, or reduce-scatters into
             sharded parameters) is one entry with ``bucket`` (its index), ``params``,
             ``dtype``, ``op``, ``overlap`` and, where it is waited for where the next is
-            issued, ``wait_after``.
+            issued, ``wait_after``. A reshard issued ahead of its consumer
+            (passes/prefetch) has ``issue_after``: the node after which it is issued.
         cost: ``compute_s``, ``comm_s`` (every collective of the step, nothing hidden),
             ``total_s`` and ``comm_by_kind_s``. With gradient buckets (passes/buckets),
             ``total_s`` is the emitted step simulated (``emitted_step_s``) and the solver's
@@ -350,8 +351,9 @@ class Plan:
     def emitted_step_s(self) -> float:
         """The predicted time of the step codegen emits: one rank's compute and
         communication streams simulated (``core.schedule``), every collective waited for
-        where it is issued, except the gradient buckets (passes/buckets), which overlap
-        the rest of the backward where the profile overlaps collectives."""
+        where it is issued, except, where the profile overlaps collectives, the gradient
+        buckets (passes/buckets), which overlap the rest of the backward, and the reshards
+        issued ahead of their consumers (passes/prefetch)."""
         return step_length(schedule(self))
 
     def collective_bytes(self) -> dict[tuple[str, str], int]:

@@ -28,7 +28,9 @@ the CPU's runtime boundary, passes/solve), the compute stream starts after it.
 Two issue rules give two schedules:
 
     - ``overlap=False``, the step as codegen emits it: a reshard is issued when the compute
-      stream reaches its consumer (the functional collective sits right before it) and the
+      stream reaches its consumer (the functional collective sits right before it), or
+      after the point its ``issue_after`` names (passes/prefetch: where the device
+      overlaps collectives, ahead of its consumer, which waits for it), and the
       gradient reductions when the backward ends (the graph's outputs, passes/codegen),
       except buckets, issued after their last gradient: where the profile overlaps
       collectives (the entry's ``overlap``: CUDA) the compute stream runs on and the
@@ -41,7 +43,8 @@ Two issue rules give two schedules:
       DDP-style runtime would. Its length shows what overlap the plan leaves room for.
 
 ``Plan.emitted_step_s()`` is the emitted schedule's length: the step time the plan predicts
-for the step codegen emits, which overlaps its gradient buckets and nothing else. It is
+for the step codegen emits, which overlaps its gradient buckets and the reshards it
+issues ahead (passes/prefetch), and nothing else. It is
 ``plan.cost["total_s"]`` once the buckets stage ran; the solver's objective
 (``plan.cost["objective_s"]``) is a linear stand-in that the ILP can optimize: it hides
 the buckets behind the backward up to the backward's length, whatever their order
@@ -166,6 +169,8 @@ def schedule(plan: Plan, *, overlap: bool = False) -> list[Span]:
         into[dst].append(c)
         if overlap and src in position and position[src] < position.get(dst, len(points)):
             after[src].append(c)
+        elif not overlap and c.get("issue_after") in position:  # prefetched
+            after[c["issue_after"]].append(c)
 
     compute: list[Span] = []
     comm: list[Span] = []
@@ -201,9 +206,9 @@ def schedule(plan: Plan, *, overlap: bool = False) -> list[Span]:
             issue(after.get(p, []), clock)
         else:
             clock = max([clock] + [ends[id(c)] for c in wait_at.get(p, []) if id(c) in ends])
-            buckets = [c for c in after.get(p, []) if "bucket" in c]
-            issue(buckets, clock)
-            clock = max([clock] + [ends[id(c)] for c in buckets if id(c) in waited])
+            issued = after.get(p, [])  # buckets, and reshards issued ahead (prefetched)
+            issue(issued, clock)
+            clock = max([clock] + [ends[id(c)] for c in issued if id(c) in waited])
     # (what no point waited for or ran: none in a whole plan)
     issue(grads + _flat(into) + _flat(inside), clock)
     return compute + sorted(comm, key=lambda s: s.start_s)

@@ -1,7 +1,9 @@
-"""Codegen on a two-matmul model: the collectives the local graph emits, and their count.
+"""Codegen on a two-matmul model: the collectives the local graph emits, and their count;
+and on a small GPT planned as FSDP for a GPU, where the CUDA emission places its gradient
+buckets' waits and its reshards issued ahead.
 
 One process: a fake process group (torch's testing backend, which records collectives and
-moves no data) stands behind a 2-rank ``tp`` mesh; codegen only traces the local graph.
+moves no data) stands behind a 2-rank mesh; codegen only traces the local graph.
 """
 
 from __future__ import annotations
@@ -22,7 +24,13 @@ from torch.distributed.tensor import Shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import autopar
+from autopar import experts
+from autopar.core.schedule import COMM, COMPUTE, purpose, schedule
+from autopar.models import GPT, GPTConfig, cross_entropy_loss, lm_batch
+from autopar.passes import codegen
 from autopar.passes.codegen import build_local_graph, count_collectives
+from autopar.passes.prefetch import prefetch_reshards
+from autopar.passes.strategies import build_strategies
 from autopar.passes.trace import trace_step
 
 HIDDEN, FFN = 256, 1024
@@ -77,10 +85,6 @@ def test_cuda_reduce_scatter_buckets_hold_one_input_per_axis(tp_mesh, monkeypatc
     next is issued (the process group holds a collective's input, G times its output,
     until its wait), in the plan, in its memory and schedule, and in the compiled
     backward the step runs."""
-    from autopar import experts
-    from autopar.core.schedule import COMM, COMPUTE, schedule
-    from autopar.models import GPT, GPTConfig, cross_entropy_loss, lm_batch
-    from autopar.passes import codegen
 
     cfg = GPTConfig(vocab=64, seq=16, hidden=32, heads=4, layers=2, ffn=64)
     torch.manual_seed(0)
@@ -147,3 +151,98 @@ def test_cuda_reduce_scatter_buckets_hold_one_input_per_axis(tp_mesh, monkeypatc
     assert len(issued) == len(buckets)
     for k, i in enumerate(issued[:-1]):
         assert i < waited[nodes[i]] < issued[k + 1]
+
+
+def test_cuda_reshards_are_issued_ahead_of_their_consumers(tp_mesh, monkeypatch):
+    """FSDP's all-gathers on a GPU profile (passes/prefetch): each issued before the
+    consumer of the one before it on its axis, held from there (memory), run beside the
+    nodes between (schedule), and so in the compiled step; not where it would break the
+    memory budget."""
+
+    cfg = GPTConfig(vocab=64, seq=16, hidden=32, heads=4, layers=2, ffn=64)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    tokens, targets = lm_batch(cfg.vocab, 8, cfg.seq)
+    mesh = autopar.Mesh((2,), ("dp",), device="h100")
+
+    def planned(skip=()):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return autopar.plan(
+                model, mesh, (tokens,), loss_fn=cross_entropy_loss,
+                example_targets=(targets,), constraints=experts.fsdp(mesh), skip=skip,
+            )  # fmt: skip
+
+    plan, plain = planned(), planned(skip={"prefetch"})
+    early = [c for c in plan.collectives if "issue_after" in c]
+    assert plan.stats["prefetched"] == len(early) >= 10 and plain.stats["prefetched"] == 0
+    nodes = plan.memory["step"]["timeline"]["nodes"]
+    at = {n: i for i, n in enumerate(nodes)}
+
+    def ends(c):
+        return c["edge"].split("->")
+
+    # each ahead of its consumer; the next on its axis not before this one's consumer
+    reshards = sorted(
+        (c for c in plan.collectives if purpose(c) == "reshard" and " " not in c["edge"]),
+        key=lambda c: at[ends(c)[1]],
+    )
+    for c in early:
+        assert at[c["issue_after"]] < at[ends(c)[1]] - 1
+    for a, b in zip(reshards, reshards[1:]):
+        if "issue_after" in b and a["axis"] == b["axis"]:
+            assert at[b["issue_after"]] >= at[ends(a)[1]] - 1
+    # memory: a gathered weight held from its issue to its consumer
+    held = plan.memory["step"]["timeline"]["collective_buffers"]
+    for c in early:
+        first, last = at[c["issue_after"]] + 1, at[ends(c)[1]]
+        assert min(held[first : last + 1]) >= c["nbytes"]
+    # the emitted step runs them beside the compute: shorter than waiting at each consumer
+    assert plan.cost["total_s"] < plain.cost["total_s"]
+
+    # the budget: where what they hold would break it, none is issued early
+    with contextlib.ExitStack() as stack:
+        step = trace_step(
+            model, (tokens,), loss_fn=cross_entropy_loss, example_targets=(targets,), stack=stack
+        )
+    space = build_strategies(step, mesh)
+    tight = dataclasses.replace(
+        plain, stats={**plain.stats, "memory_budget": plain.memory["step"]["peak_bytes"]}
+    )
+    assert plan.memory["step"]["peak_bytes"] > plain.memory["step"]["peak_bytes"]
+    assert prefetch_reshards(space, tight) is tight
+    loose = dataclasses.replace(tight, stats={**tight.stats, "memory_budget": 2**40})
+    assert prefetch_reshards(space, loose).stats["prefetched"] == len(early)
+
+    # the compiled forward: the collective ahead, its wait at the consumer, ops between
+    dmesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    init = codegen._Localizer.__init__
+
+    def as_on_cuda(self, *a, **k):  # the CUDA emission, traced on the fake group
+        init(self, *a, **k)
+        self.overlap = True
+
+    monkeypatch.setattr(codegen._Localizer, "__init__", as_on_cuda)
+
+    def gathered_ahead(p) -> list[int]:
+        """Per all-gather of the compiled forward: the nodes from it to its wait."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            pm = autopar.compile(
+                model, dmesh, (tokens,), loss_fn=cross_entropy_loss,
+                example_targets=(targets,), plan=p,
+            )  # fmt: skip
+        forward = list(pm.compiled.graphs["forward"].graph.nodes)
+        where = {n: i for i, n in enumerate(forward)}
+        gather = torch.ops._c10d_functional.all_gather_into_tensor.default
+        wait = torch.ops._c10d_functional.wait_tensor.default
+        return [
+            where[next(u for u in g.users if u.target is wait)] - where[g]
+            for g in forward
+            if g.target is gather
+        ]
+
+    # each wait right after its collective without prefetch; most far ahead with it
+    assert max(gathered_ahead(plain)) == 1
+    spans = gathered_ahead(plan)
+    assert sum(1 for s in spans if s > 2) >= len(spans) // 2 > 0

@@ -126,3 +126,22 @@ def test_partitioner_keeps_nodes_tagged_must_be_in_forward_or_backward_where_the
     assert partitioners._must_be_in_backward(n)
     n.meta["partitioner_tag"] = "is_forward"
     assert partitioners._has_tag_is_forward(n)
+
+
+def test_make_fx_records_which_interpreted_node_made_each_node():
+    """passes/codegen.hoist_prefetched finds a reshard's ops by the step node whose
+    interpretation made them: ``from_node``, which ``preserve_node_meta`` records."""
+    import torch.fx.traceback as fx_traceback
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    gm = torch.fx.symbolic_trace(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
+    with fx_traceback.preserve_node_meta():
+        local = make_fx(torch.fx.Interpreter(gm).run)(torch.randn(2, 4))
+    made = {
+        n.name: n.meta["from_node"][-1].name for n in local.graph.nodes if n.op == "call_function"
+    }
+    first = next(n for n in local.graph.nodes if n.op == "call_function")
+    assert isinstance(first.meta["from_node"][-1], fx_traceback.NodeSource)
+    names = {n.name for n in gm.graph.nodes}
+    assert made and set(made.values()) <= names
+    assert "_0" in set(made.values()) and "_1" in set(made.values())  # the linear, the relu
