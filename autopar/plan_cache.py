@@ -7,7 +7,9 @@ A plan is a deterministic function of what the key holds (``key``):
       constants (``repr`` of the ``DeviceProfile``: a changed constant is another key);
     - the planning options (``PlanOptions``: budget, fraction, skipped stages, optimizer,
       checkpointing, the solver's time limit);
-    - the versions of autopar and torch.
+    - the versions of autopar and torch, and a digest of the planner's own source (every
+      ``.py`` file of ``autopar``, ``autopar.passes`` and ``autopar.cost_models``): a
+      change to the code that plans is another key, whatever the version says.
 
 So a hit is the plan the search would make, byte for byte (``Plan.to_json()``); the stage
 timings it keeps are those of the run that made it, and ``stats["cache_s"]`` says it was
@@ -22,6 +24,7 @@ back as a plan is a miss (and is replaced).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -31,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from . import core, cost_models, passes
 from .core import Mesh, Plan, __version__
 from .cost_models import get_profile
 from .passes.pipeline import PlanOptions
@@ -58,9 +62,26 @@ def key(fingerprint: str, mesh: Mesh, options: PlanOptions) -> str:
         "profile": repr(get_profile(mesh.device)),
         "options": opts,
         "versions": [__version__, torch.__version__],
+        "code": _code_digest(),
     }
     text = json.dumps(parts, sort_keys=True, default=repr)
     return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+@functools.cache
+def _code_digest() -> str:
+    """sha256 of the planner's source files, read once per process (module docstring)."""
+    digest = hashlib.sha256()
+    for package in (core, cost_models, passes):
+        root = Path(str(package.__file__)).parent
+        for path in sorted(root.rglob("*.py")):
+            digest.update(str(path.relative_to(root)).encode())
+            digest.update(path.read_bytes())
+    root = Path(__file__).parent
+    for path in sorted(root.glob("*.py")):  # autopar's own modules (api, experts, ...)
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def _path(k: str) -> Path:

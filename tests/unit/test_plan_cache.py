@@ -3,6 +3,8 @@ the key plans again."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import nn
 
@@ -66,3 +68,28 @@ def test_the_key_holds_the_dtypes_the_mesh_and_the_profile():
     }
     assert len(keys) == 7
     assert plan_cache.key("f", autopar.Mesh(2, "dp"), opts) in keys  # deterministic
+
+
+def test_the_key_holds_the_planners_source(tmp_path, monkeypatch):
+    """A change to the code that plans is another key, though autopar's version is the same
+    (a plan cached before the change would not be the plan the search now makes)."""
+    from autopar.passes.pipeline import PlanOptions
+
+    mesh, opts = autopar.Mesh(2, "dp"), PlanOptions()
+    before = plan_cache.key("f", mesh, opts)
+    assert plan_cache.key("f", mesh, opts) == before
+    # the same package, one pass changed by a byte
+    copy = tmp_path / "passes"
+    copy.mkdir()
+    passes_dir = Path(str(plan_cache.passes.__file__)).parent
+    for f in passes_dir.glob("*.py"):
+        (copy / f.name).write_bytes(f.read_bytes())
+    (copy / "prefetch.py").write_bytes((copy / "prefetch.py").read_bytes() + b"\n")
+    monkeypatch.setattr(plan_cache.passes, "__file__", str(copy / "__init__.py"))
+    plan_cache._code_digest.cache_clear()
+    try:
+        assert plan_cache.key("f", mesh, opts) != before
+    finally:
+        monkeypatch.undo()
+        plan_cache._code_digest.cache_clear()
+    assert plan_cache.key("f", mesh, opts) == before
