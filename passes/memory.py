@@ -500,7 +500,8 @@ def measure(
         delta[category][n - 1] += size
         blocks.append((n - 1, n - 1, size))
     buffers = delta["collective_buffers"]
-    # a bucket: its flat input at the point that issues it, its output from then to the end
+    # a bucket: its flat input from the point that issues it to its wait (``held``), its
+    # output from then to the end
     issued: dict[tuple[int, int], list[Sink]] = defaultdict(list)
     for sink in space.sinks:
         if sink.position in lv.early:
