@@ -80,16 +80,33 @@ def test_megatron_pair_emits_one_all_reduce_of_the_loss(tp_mesh):
     assert {tuple(n.meta["val"].shape) for n in mms[:2]} == {(1, FFN // 2), (1, HIDDEN)}
 
 
+def _small_gpt() -> tuple[GPT, torch.Tensor, torch.Tensor]:
+    cfg = GPTConfig(vocab=64, seq=16, hidden=32, heads=4, layers=2, ffn=64)
+    torch.manual_seed(0)
+    tokens, targets = lm_batch(cfg.vocab, 8, cfg.seq)
+    return GPT(cfg), tokens, targets
+
+
+def _as_on_cuda(monkeypatch):
+    """A 2-rank ``dp`` mesh on the fake group, and codegen's CUDA emission on it (buckets and
+    prefetched reshards left in flight, ``_Localizer.overlap``)."""
+    init = codegen._Localizer.__init__
+
+    def as_on_cuda(self, *a, **k):
+        init(self, *a, **k)
+        self.overlap = True
+
+    monkeypatch.setattr(codegen._Localizer, "__init__", as_on_cuda)
+    return init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+
+
 def test_cuda_reduce_scatter_buckets_hold_one_input_per_axis(tp_mesh, monkeypatch):
     """FSDP's gradient reduce-scatters on a GPU profile: each bucket is waited for where the
     next is issued (the process group holds a collective's input, G times its output,
     until its wait), in the plan, in its memory and schedule, and in the compiled
     backward the step runs."""
 
-    cfg = GPTConfig(vocab=64, seq=16, hidden=32, heads=4, layers=2, ffn=64)
-    torch.manual_seed(0)
-    model = GPT(cfg)
-    tokens, targets = lm_batch(cfg.vocab, 8, cfg.seq)
+    model, tokens, targets = _small_gpt()
     mesh = autopar.Mesh((2,), ("dp",), device="h100")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -127,14 +144,7 @@ def test_cuda_reduce_scatter_buckets_hold_one_input_per_axis(tp_mesh, monkeypatc
     assert checked >= 1
 
     # the compiled backward: bucket k's wait before bucket k+1's reduce-scatter
-    dmesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
-    init = codegen._Localizer.__init__
-
-    def as_on_cuda(self, *a, **k):  # the CUDA emission, traced on the fake group
-        init(self, *a, **k)
-        self.overlap = True
-
-    monkeypatch.setattr(codegen._Localizer, "__init__", as_on_cuda)
+    dmesh = _as_on_cuda(monkeypatch)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         pm = autopar.compile(
@@ -159,10 +169,7 @@ def test_cuda_reshards_are_issued_ahead_of_their_consumers(tp_mesh, monkeypatch)
     nodes between (schedule), and so in the compiled step; not where it would break the
     memory budget."""
 
-    cfg = GPTConfig(vocab=64, seq=16, hidden=32, heads=4, layers=2, ffn=64)
-    torch.manual_seed(0)
-    model = GPT(cfg)
-    tokens, targets = lm_batch(cfg.vocab, 8, cfg.seq)
+    model, tokens, targets = _small_gpt()
     mesh = autopar.Mesh((2,), ("dp",), device="h100")
 
     def planned(skip=()):
@@ -215,14 +222,7 @@ def test_cuda_reshards_are_issued_ahead_of_their_consumers(tp_mesh, monkeypatch)
     assert prefetch_reshards(space, loose).stats["prefetched"] == len(early)
 
     # the compiled forward: the collective ahead, its wait at the consumer, ops between
-    dmesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
-    init = codegen._Localizer.__init__
-
-    def as_on_cuda(self, *a, **k):  # the CUDA emission, traced on the fake group
-        init(self, *a, **k)
-        self.overlap = True
-
-    monkeypatch.setattr(codegen._Localizer, "__init__", as_on_cuda)
+    dmesh = _as_on_cuda(monkeypatch)
 
     def gathered_ahead(p) -> list[int]:
         """Per all-gather of the compiled forward: the nodes from it to its wait."""
