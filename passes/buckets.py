@@ -7,7 +7,7 @@ collectives, its order). Returns: the plan with each bucket's members replaced i
 
 Which reductions: a gradient (a sink ``like`` a parameter) whose redistribution to its
 parameter's placement is one collective on one axis, every other axis unchanged
-(``core.reduction``; the solver's objective credits the all-reduces alone as hidden,
+(``core.reduction``; the solver counts both kinds as hiding behind the backward,
 passes/solve "Overlap"):
 
     P -> R      one all-reduce (data parallel, DDP's buckets)
@@ -58,11 +58,10 @@ collectives, lets the compute stream run on to the bucket's wait.
 
 ``plan.cost``: ``comm_s`` and ``comm_by_kind_s`` are repriced with the buckets (the sum
 of the step's collectives, nothing discounted); the solver's own objective (passes/solve,
-"Overlap": the all-reduce buckets hidden behind the backward up to its length, the
-reduce-scatter buckets counted whole) is kept as
-``objective_s``, and once the step memory has its timeline ``total_s`` becomes the emitted
-step's simulated length (``Plan.emitted_step_s``, autopar/api), which credits exactly the
-overlap the emitted step has.
+"Overlap": the buckets hidden behind the backward up to its length) is kept as
+``objective_s``, and ``total_s`` becomes the emitted step's simulated length
+(``Plan.emitted_step_s``, autopar/api), which credits exactly the overlap the emitted step
+has.
 """
 
 from __future__ import annotations

@@ -79,7 +79,7 @@ from __future__ import annotations
 import copy
 import heapq
 import warnings
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -89,7 +89,7 @@ from autopar.core import Plan, StrategySpace, roles
 from .memory import local_bytes, plan_placements
 from .remat import storage_map
 
-__all__ = ["Ordering", "apply", "order_step"]
+__all__ = ["Ordering", "apply", "mutates_or_draws", "order_step", "ready_nodes"]
 
 BEAM = 64
 """Sets kept per layer of a segment's search above which it is a beam search."""
@@ -128,7 +128,7 @@ class Ordering:
         return self.peak < self.traced_peak
 
 
-def _mutates_or_draws(target) -> bool:
+def mutates_or_draws(target) -> bool:
     """The op draws random numbers or writes one of its inputs: it keeps its place among
     such ops.
 
@@ -139,6 +139,27 @@ def _mutates_or_draws(target) -> bool:
     if torch.Tag.nondeterministic_seeded in target.tags:
         return True
     return any(a.alias_info is not None and a.alias_info.is_write for a in target._schema.arguments)
+
+
+def ready_nodes(space: StrategySpace, fed: Collection[str] = ()) -> set[str]:
+    """The model's state and what the step makes of it alone: the parameters and buffers,
+    and each node that reads only those and such nodes, none of it through a reshard into
+    a node of ``fed``, and draws no random numbers and writes nothing (a parameter's cast
+    to the compute dtype, its view). A part of the step can run them at its start:
+    passes/prefetch runs them ahead, so that a reshard of their output is issued early."""
+    found = {n for n in space.order if space.roles[n] in (roles.PARAM, roles.BUFFER)}
+    for n in space.order:
+        target = space.targets[n]
+        ins = space.in_sources[n]
+        if (
+            target != "placeholder"
+            and ins
+            and n not in fed
+            and not mutates_or_draws(target)
+            and all(s in found for s, _ in ins)
+        ):
+            found.add(n)
+    return found
 
 
 class _Problem:
@@ -163,7 +184,7 @@ class _Problem:
                 if a.name in pos:
                     self.preds[pos[name]].append(pos[a.name])
         # ops that draw random numbers or write an input keep their relative order
-        chained = [i for i, name in enumerate(order) if _mutates_or_draws(space.targets[name])]
+        chained = [i for i, name in enumerate(order) if mutates_or_draws(space.targets[name])]
         for a, b in zip(chained, chained[1:]):
             self.preds[b].append(a)
 
@@ -211,7 +232,7 @@ class _Problem:
         self.neutral = [
             self.new[i] == 0
             and self.transient[i] == 0
-            and not _mutates_or_draws(space.targets[order[i]])
+            and not mutates_or_draws(space.targets[order[i]])
             for i in range(n)
         ]
         # who reads each storage: every node (the step as it runs), and the searched nodes
@@ -296,7 +317,7 @@ def _units(p: _Problem) -> _Units:
     for i in range(n):
         source[i] = (
             not p.neutral[i]
-            and not _mutates_or_draws(p.space.targets[p.names[i]])
+            and not mutates_or_draws(p.space.targets[p.names[i]])
             and all(k in p.pinned for k in p.reads[i])
             and all(p.neutral[a] or source[a] for a in p.preds[i])
         )

@@ -50,7 +50,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from autopar.core import CompiledStep, Solution, StrategySpace
+from autopar.core import CompiledStep, Plan, Solution, StrategySpace
 
 from .buckets import DEFAULT_BUCKET_BYTES, bucket_reductions
 from .codegen import codegen
@@ -60,7 +60,7 @@ from .order import Ordering, order_step
 from .pins import Pin
 from .pins import resolve as resolve_pins
 from .prefetch import prefetch_reshards
-from .solve import DEVICE_BUDGET, solve
+from .solve import DEVICE_BUDGET, overlaps_collectives, solve
 from .strategies import build_strategies
 from .trace import StepGraph, trace_step
 
@@ -255,7 +255,44 @@ def _solve(state: dict) -> Solution:
         forbid=options.forbid,
         pins=pins + list(options.pins),
         frozen=frozen,
+        assess=_emitted(state) if overlaps_collectives(state["mesh"]) else None,
+        hides=_hides(options.skip),
     )
+
+
+def _hides(skip: Collection[str]) -> frozenset[str]:
+    """The kinds of overlap the emitted step will have (passes/solve ``hides``): the
+    buckets' and the prefetches', unless their stage is skipped."""
+    kinds = set()
+    if "buckets" not in skip:
+        kinds |= {"all_reduce", "reduce_scatter"}
+    if "prefetch" not in skip:
+        kinds.add("prefetch")
+    return frozenset(kinds)
+
+
+def _emitted(state: dict) -> Callable[[Solution], float]:
+    """The length of the step a solution emits, in seconds: its plan in the order, the
+    buckets, the prefetches and the memory timeline the report stages give it (those not
+    skipped), simulated (core/schedule). The solver's overlap rounds compare their plans by it (passes/solve,
+    "Overlap")."""
+    space, options = state["strategies"], state["options"]
+
+    def length(solution: Solution) -> float:
+        plan = Plan.from_solution(space, solution, fingerprint="", stats=dict(solution.stats))
+        if "order" not in options.skip:
+            ordering = order_step(space, state["trace"].gm, plan)
+            if ordering.changed:
+                plan = dataclasses.replace(plan, order=tuple(ordering.order))
+        if "buckets" not in options.skip:
+            plan = bucket_reductions(space, plan, options.bucket_bytes)
+        if "prefetch" not in options.skip:
+            plan = prefetch_reshards(space, plan, options.optimizer)
+        if "memory" not in options.skip:  # the points the step runs, copies included
+            plan.memory["step"] = simulate(space, plan, optimizer=options.optimizer).to_dict()
+        return plan.emitted_step_s()
+
+    return length
 
 
 def _codegen(state: dict) -> CompiledStep:

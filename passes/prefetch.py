@@ -25,6 +25,17 @@ runs beside ``c_k+1``: one layer's all-gather of its weights beside the layer be
 The first reshard of an axis is issued once its input is made (a parameter's: at its
 part's start).
 
+The model's state. A reshard's input made from the parameters alone (passes/order
+``ready_nodes``: a parameter's cast to the compute dtype, its transpose; none of it through
+another reshard, nothing random) can be made at any point: passes/order puts such a node
+right before the node that reads it, where holding it costs the least, and there it would
+bound its reshard's issue to the point before its consumer (FSDP in bf16: each weight's
+all-gather waited for at once). So first, per axis in the same sequence, each such input
+made after the point ``c_k+1`` would be issued at (``pos(consumer(c_k)) - 1``; the part's
+start for ``c_1``) moves there, with the nodes of its kind it reads, in the plan's order
+(``plan.order``; ``_moved_ahead``); the rule above then issues ``c_k+1`` right after it.
+They are held from there on, which the memory model counts and the budget check sees.
+
 Its output is held from the issue to its consumer: passes/memory counts it there
 (``Liveness.prefetched``), core/schedule issues it at its point (the compute stream waits
 for it at its consumer), and passes/codegen moves the collective, with the ops that prepare
@@ -33,7 +44,8 @@ consumer. Where the held outputs raise the step's peak above the plan's memory b
 (``stats["memory_budget"]``), nothing is prefetched (the solver bounds the step without
 them).
 
-``plan.stats``: ``prefetched`` (reshards issued early).
+``plan.stats``: ``prefetched`` (reshards issued early), ``prefetch_moved`` (inputs moved
+ahead for them).
 """
 
 from __future__ import annotations
@@ -45,6 +57,7 @@ from autopar.core import Plan, StrategySpace, roles
 from autopar.core.schedule import edge_ends, purpose
 
 from .memory import simulate
+from .order import ready_nodes
 from .solve import overlaps_collectives
 
 __all__ = ["prefetch_reshards"]
@@ -68,20 +81,82 @@ def _candidates(space: StrategySpace, plan: Plan, position: dict[str, int]) -> l
     return found
 
 
+def _chain(space: StrategySpace, node: str, ready: set[str]) -> set[str]:
+    """``node`` and the operators of ``ready`` it reads, transitively."""
+    found, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n in found:
+            continue
+        found.add(n)
+        stack.extend(
+            s for s, _ in space.in_sources[n] if s in ready and space.targets[s] != "placeholder"
+        )
+    return found
+
+
+def _sequence(space: StrategySpace, plan: Plan, order: list[str]) -> list[list[dict]]:
+    """Per mesh axis, the candidates in the order their consumers run in ``order``."""
+    position = {n: i for i, n in enumerate(order)}
+    by_axis: dict[str, list[dict]] = defaultdict(list)
+    for c in _candidates(space, plan, position):
+        by_axis[c["axis"]].append(c)
+    for cs in by_axis.values():
+        cs.sort(key=lambda c: position[edge_ends(c["edge"])[1]])
+    return list(by_axis.values())
+
+
+def _moved_ahead(space: StrategySpace, plan: Plan, order: list[str]) -> tuple[list[str], int]:
+    """``order`` with each candidate's input, where ``ready_nodes`` (passes/order) and made after the point its
+    reshard would be issued at, moved there with the ready nodes it reads (module
+    docstring, "The model's state"); and how many nodes moved."""
+    fed = {edge_ends(c["edge"])[1] for c in plan.collectives if purpose(c) == "reshard"}
+    ready = ready_nodes(space, fed)
+    position = {n: i for i, n in enumerate(order)}
+    backward = [space.roles[n] == roles.BACKWARD for n in order]
+    first_backward = backward.index(True) if any(backward) else len(order)
+    first_forward = next(i for i, n in enumerate(order) if space.targets[n] != "placeholder")
+    before: dict[str, int] = {}  # moved node -> the position it is put before
+    for cs in _sequence(space, plan, order):
+        previous = None
+        for c in cs:
+            src, dst = edge_ends(c["edge"])
+            if backward[position[dst]]:
+                start = first_backward + 1
+            else:
+                start = first_forward
+            at = start if previous is None else max(start, previous)
+            previous = position[dst]
+            if src not in ready or position[src] < at:
+                continue
+            for n in _chain(space, src, ready):
+                if position[n] >= at:
+                    before[n] = min(before.get(n, at), at)
+    if not before:
+        return order, 0
+    slots: dict[int, list[str]] = defaultdict(list)
+    for n in order:  # the moved nodes keep their order among themselves
+        if n in before:
+            slots[before[n]].append(n)
+    out: list[str] = []
+    for i, n in enumerate(order):
+        out.extend(slots.get(i, ()))
+        if n not in before:
+            out.append(n)
+    return out, len(before)
+
+
 def prefetch_reshards(space: StrategySpace, plan: Plan, optimizer: str = "adamw") -> Plan:
     """``plan`` with its reshards issued ahead of their consumers (module docstring)."""
     if not overlaps_collectives(plan.mesh):
         return plan
-    order = list(plan.order) if plan.order else list(space.order)
+    given = list(plan.order) if plan.order else list(space.order)
+    order, moved = _moved_ahead(space, plan, given)
     position = {n: i for i, n in enumerate(order)}
     backward = [space.roles[n] == roles.BACKWARD for n in order]
     first_backward = backward.index(True) if any(backward) else len(order)
-    by_axis: dict[str, list[dict]] = defaultdict(list)
-    for c in _candidates(space, plan, position):
-        by_axis[c["axis"]].append(c)
     early: dict[int, str] = {}  # id(collective) -> the node after which it is issued
-    for cs in by_axis.values():
-        cs.sort(key=lambda c: position[edge_ends(c["edge"])[1]])
+    for cs in _sequence(space, plan, order):
         previous = None  # the consumer of the axis's reshard before
         for c in cs:
             src, dst = edge_ends(c["edge"])
@@ -98,9 +173,13 @@ def prefetch_reshards(space: StrategySpace, plan: Plan, optimizer: str = "adamw"
     collectives = tuple(
         {**c, "issue_after": early[id(c)]} if id(c) in early else c for c in plan.collectives
     )
-    out = dataclasses.replace(plan, collectives=collectives, stats=dict(plan.stats))
+    out = dataclasses.replace(
+        plan, collectives=collectives, order=tuple(order) if moved else plan.order,
+        stats=dict(plan.stats),
+    )  # fmt: skip
     budget = plan.stats.get("memory_budget")
     if budget is not None and simulate(space, out, optimizer).peak_bytes > budget:
         return plan
     out.stats["prefetched"] = len(early)
+    out.stats["prefetch_moved"] = moved
     return out

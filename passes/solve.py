@@ -35,7 +35,8 @@ The ILP (Alpa's intra-operator formulation):
                                may keep it: ``autopar explain``)
     objective (seconds)                                                 (``objective``)
         min  sum_{v,k} C[v,k] x[v,k]  +  sum_{edges} R(p, q) e[u,p,v,q]  +  sum_g t[g]
-             (where gradient buckets overlap the backward: G_a at a share, "Overlap")
+             (where buckets and prefetches overlap the compute: each H_pa at a
+             share, "Overlap")
 
 ``Solution.objective_s`` adds the host's fixed time per step where the profile prices one
 (``DeviceProfile.step_overhead`` + ``param_overhead`` per parameter: a calibrated CPU;
@@ -63,42 +64,45 @@ axis, a gradient into its parameter's placement. Since x is one-hot, the margins
 edge's e are one-hot, which forces e to the single pair (p, q) chosen, so e needs no
 integrality.
 
-Overlap. A gradient's all-reduce that codegen issues in a bucket as soon as the bucket's
-gradients are made (one all-reduce on one axis, ``_all_reduced_axis``; passes/buckets)
-runs beside the rest of the backward where the device overlaps collectives (CUDA), on its
-axis's stream, one bucket after another. With W
-every term above but the buckets' (``coef``), W_fwd the forward's share of it (its nodes
-and the edges into them, ``forward_coef``), G_a the bucketable reductions on axis a
-(``bucket_coef``) and B_a the backward's other collectives on axis a (``axis_coef``: the
-edges into backward nodes and the step's outputs that change axis a from a Shard or a
-Partial; they are in W, waited for where they are read, and the axis's stream runs them
-between the buckets), the step then lasts
+Overlap. Where the device overlaps collectives (CUDA), the emitted step runs some of them
+beside the compute, each on its mesh axis's stream, one after another:
+    - a gradient's reduction in a bucket (passes/buckets: one all-reduce, or one
+      reduce-scatter into a sharded parameter, on one axis; ``_bucket``), issued as soon as
+      the bucket's gradients are made, beside the rest of the backward;
+    - a reshard of the model's state (passes/prefetch: an edge out of a parameter or a node
+      made of parameters alone, passes/order ``ready_nodes``, into a node that reads it
+      once, running one collective on one axis), issued while the layer before its
+      consumer runs (FSDP's all-gathers, ahead of their layer).
+``hides`` says which of these the emitted step has (a skipped stage has none). With W every
+term above but these (``coef``), W_p the share of part p (forward, backward) of it (its
+nodes and the edges into them; ``forward_coef``), H_pa those of part p on axis a
+(``hide_coef``, by kind) and B_pa the part's other collectives on axis a (``axis_coef``:
+the edges whose pair changes axis a from a Shard or a Partial; they are in W, waited for
+where they are read, and the axis's stream runs them between the others), the step lasts
 
-    T = max(W, W_fwd + B_a + G_a for each axis a)                    (``overlap``)
+    T = W + sum_p max_a max(0, H_pa - (W_p - B_pa))                   (``overlap``)
 
-a reduction hidden behind the backward up to the backward's length and counting in full
-beyond it. The max is not what the ILP minimizes (as a variable h >= each term it solved
-~13x slower on Llama-3-8B's bf16 step over (8,8), 66 s); instead each axis's G_a enters
-the objective at a share s_a (``bucket_scale``): first 1 - ``GRAD_OVERLAP`` (a quarter),
-then, solved, at the share the plan leaves unhidden, s_a = max(0, 1 - (W - W_fwd - B_a) /
-G_a),
-and solved again while T gets shorter, ``OVERLAP_ROUNDS`` solves at most (a round that
-does not shorten T is undone: the last plan's solution, kept by ``IlpBuilder.hold``, is
-read again, with no solve). ``Solution.objective_s`` is T. Before, a flat 75% of every
-gradient reduction counted as hidden: on Llama-3-8B over (8,8), in bf16 with float32
-gradients, ~150 ms of reductions over the inter-node axis, 110 ms of them called hidden
-behind a step of 56 ms of compute. The last bucket, issued after the last gradient, and
-the order of the others are left out of T: the plan's ``total_s`` is the emitted step
-simulated with them (core/schedule). Every other gradient reduction (one over two axes,
-one before a cast) runs where codegen emits it, waited for, and is in W; so is every one
-on gloo, where codegen waits for each bucket where it is issued: there the objective is W.
-So is a reduce-scatter into a sharded parameter, though passes/buckets buckets it too and
-the emitted step overlaps it: counted as hidden, it led the search to plans whose
-reduce-scatter buckets hold up the backward's re-gathers on the same axis (their waits
-are on the critical path, which T, a bound on each stream's busy time, does not see):
-GPT-3 over (8,8) in bf16, T 2628 ms, the emitted step 2895 ms, where the plan found with
-them in W is 2738 ms as emitted. In W, T is an upper bound on what they cost, and
-``total_s`` credits the overlap the emitted step has.
+what hides behind the compute of its part up to that compute's length, and counts in full
+beyond it. The max is not what the ILP minimizes (as a variable h >= each term, for the
+buckets alone, it solved ~13x slower on Llama-3-8B's bf16 step over (8,8), 66 s); instead
+each H_pa enters the objective at a share s_pa (``hide_scale``). The first solve counts an
+all-reduce bucket at a quarter (1 - ``GRAD_OVERLAP``) and the others whole
+(``FIRST_SHARE``): the plan of the search as it was before it counted them. Then, solved,
+each share moves halfway to the share the plan leaves unhidden, max(0, 1 - (W_p - B_pa) /
+H_pa) (0 for an axis with none), and the ILP is solved again, ``OVERLAP_ROUNDS`` solves at
+most, until the shares settle. Taken whole the share swings the plan between extremes: an
+axis whose weights are replicated has no gathers, so its share is 0, and the next plan
+gathers every weight; halfway, Llama-3-8B on (16, 8) in bf16 went to sharded weights in
+one round (150.4 ms as emitted; the whole share took three rounds to 153.8 ms, through
+271 ms). The rounds keep the plan whose step is the shortest: as the emitted step
+simulated where the caller gives ``assess`` (passes/pipeline: the plan ordered, bucketed
+and prefetched as the later stages will, core/schedule), else by T. T is a bound on each
+stream's busy time, not a schedule: a gather queued behind a scatter on its axis waits, and
+the first plan counted whole showed it (GPT-3 over (8,8), reduce-scatters counted hidden:
+T 2628 ms, emitted 2895 ms). Comparing the rounds by the emitted step keeps such a plan
+out, and the first round, counted as before, bounds what the rounds can lose.
+``Solution.objective_s`` is T. On gloo there is no overlap (codegen waits for each
+collective where it is issued) and the objective is W.
 
 Memory. bytes(i), the bytes one rank holds after node i (passes/memory), is linear in the
 variables: a storage live at i made by output o of node v adds size(o under k) to x[v,k];
@@ -231,7 +235,7 @@ import os
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -266,6 +270,7 @@ from autopar.cost_models import (
 
 from . import remat, rules
 from .memory import Liveness, MemoryReport, liveness, local_bytes, measure, optimizer_bytes
+from .order import ready_nodes
 from .pins import Pin, check_folding
 
 __all__ = [
@@ -289,8 +294,13 @@ class SolveError(RuntimeError):
         self.least_bytes = least_bytes
 
 
-GRAD_OVERLAP = 0.75  # the share of gradient buckets first counted as hidden ("Overlap")
-OVERLAP_ROUNDS = 3  # solves at most, each re-pricing the buckets at the last one's overlap
+GRAD_OVERLAP = 0.75  # the share of all-reduce buckets first counted as hidden ("Overlap")
+# per kind of hiding term, the share the first solve counts: an all-reduce bucket's at a
+# quarter, a reduce-scatter bucket's and a prefetch's whole (the plan without their overlap)
+FIRST_SHARE = {"all_reduce": 1.0 - GRAD_OVERLAP, "reduce_scatter": 1.0, "prefetch": 1.0}
+OVERLAP_ROUNDS = 3  # solves at most, each re-pricing what may hide at the last one's overlap
+PARTS = ("forward", "backward")
+HIDES = frozenset(FIRST_SHARE)  # the kinds of hiding terms the emitted step has (all)
 MIP_GAP = 1e-3  # stop within 0.1% of the optimum
 log = logging.getLogger("autopar")
 
@@ -512,11 +522,19 @@ def _edge_cost(src_ps, dst_ps, shape_dtype, mesh, profile) -> float | None:
         return None
 
 
-def _all_reduced_axis(src_ps, dst_ps) -> int | None:
-    """The axis of a gradient's reduction the objective counts in its bucket terms: one
-    all-reduce on one axis ("Overlap"; a reduce-scatter bucket is left in W)."""
+def _first_share(ilp: IlpBuilder, key: tuple[str, int]) -> float:
+    """The share the first solve counts of a part's and axis's hiding terms: the largest
+    ``FIRST_SHARE`` of the kinds it has."""
+    return max(FIRST_SHARE[kind] for kind, part, axis in ilp.hide_coef if (part, axis) == key)
+
+
+def _bucket(src_ps, dst_ps) -> tuple[str, int] | None:
+    """The kind and the axis of a gradient's reduction that passes/buckets buckets: one
+    all-reduce or one reduce-scatter, on one axis ("Overlap")."""
     found = reduction(src_ps, dst_ps)
-    return found[0] if found is not None and found[1] is None else None
+    if found is None:
+        return None
+    return ("all_reduce" if found[1] is None else "reduce_scatter", found[0])
 
 
 def _collective_axes(src_ps, dst_ps) -> list[int]:
@@ -597,8 +615,10 @@ class IlpBuilder:
         merge: bool = True,
         reshard_axes: int | None = 1,
         optimizer: str = "adamw",
+        hides: Collection[str] = HIDES,
     ):
         self.space = space
+        self.hides = frozenset(hides) if profile.overlaps_collectives else frozenset()
         self.profile = profile
         self.merge = merge
         self.reshard_axes = reshard_axes
@@ -617,15 +637,17 @@ class IlpBuilder:
         self.x: dict[str, list[list[Any]]] = {}
         self.coef: dict = defaultdict(float)
         self.ties: dict = defaultdict(float)  # the tie-break, apart: no part of a time
-        # the overlap terms ("Overlap"): the forward's share of ``coef``, and per mesh axis
-        # the gradient buckets' reductions (kept out of ``coef``)
+        # the overlap terms ("Overlap"): the forward's share of ``coef``; per (kind, part,
+        # mesh axis) the collectives that may run beside the compute (kept out of ``coef``)
         self.forward_coef: dict = defaultdict(float)
-        self.bucket_coef: dict[int, dict] = defaultdict(lambda: defaultdict(float))
-        # per mesh axis, the backward's other collectives on it (in ``coef``): they share
-        # the axis's stream with its buckets
-        self.axis_coef: dict[int, dict] = defaultdict(lambda: defaultdict(float))
-        # per axis, the share of its bucket terms the objective counts (the rest hidden)
-        self.bucket_scale: dict[int, float] = {}
+        self.hide_coef: dict[tuple[str, str, int], dict] = defaultdict(lambda: defaultdict(float))
+        # per (part, mesh axis), the part's other collectives on it (in ``coef``): they share
+        # the axis's stream with those that hide
+        self.axis_coef: dict[tuple[str, int], dict] = defaultdict(lambda: defaultdict(float))
+        # per (part, axis), the share of its hiding terms the objective counts (the rest
+        # hidden); before the first solve, each kind's ``FIRST_SHARE``
+        self.hide_scale: dict[tuple[str, int], float] = {}
+        self.early = ready_nodes(space)
         self.node_cost: dict[str, list[float]] = {}
         self.merged: set[str] = set()
         uses = _consumers(space)
@@ -649,6 +671,7 @@ class IlpBuilder:
         # read in place of the solver's until the next solve
         self.held: tuple[list[float], float, float] | None = None
         self.lv: Liveness | None = None  # the liveness the memory cuts are made on
+        self.rounds: list[float] = []  # each overlap round's step, seconds ("Overlap")
 
     # -- margins ---------------------------------------------------------------------------
 
@@ -748,11 +771,13 @@ class IlpBuilder:
         max_axes=None,
         forward=False,
         bucket=None,
+        prefetch=False,
         reduce: str | None = None,
     ) -> list[tuple[Any, tuple, tuple]]:
         """e[u,p,v,q] for every allowed pair, tied to Y[u,p] and Z[v,q]; R(p,q) * m in the
-        objective (``forward``: in the forward's share too), or, where ``bucket(p, q)``
-        gives a mesh axis, in that axis's bucket terms ("Overlap").
+        objective (``forward``: in the forward's share too), or in the hiding terms of
+        its part and axis ("Overlap"): where ``bucket(p, q)`` gives a kind of bucket and
+        its mesh axis, or where ``prefetch`` and p -> q runs a collective on one axis.
         ``reduce`` (a gradient cast's ``reduce_at``): "after" leaves out the pairs that
         reduce a Partial, "before" those that deliver one. Returns the pairs as
         ``(e, p, q)``."""
@@ -780,16 +805,21 @@ class IlpBuilder:
                 pair_vars_p[p].append(ev)
                 pair_vars_q[q].append(ev)
                 if c > 0:
-                    axis = None if bucket is None else bucket(p, q)
-                    if axis is not None:
-                        self.bucket_coef[axis][ev] += c * len(labels) * _SCALE
+                    part = "forward" if forward else "backward"
+                    axes = _collective_axes(p, q)
+                    hides = None if bucket is None else bucket(p, q)
+                    if hides is None and prefetch and len(axes) == 1:
+                        hides = ("prefetch", axes[0])
+                    if hides is not None and hides[0] in self.hides:
+                        kind, axis = hides
+                        self.hide_coef[(kind, part, axis)][ev] += c * len(labels) * _SCALE
                     else:
                         self.coef[ev] += c * len(labels) * _SCALE
                         if forward:
                             self.forward_coef[ev] += c * len(labels) * _SCALE
-                        elif self.profile.overlaps_collectives:
-                            for a in _collective_axes(p, q):
-                                self.axis_coef[a][ev] += c * len(labels) * _SCALE
+                        if self.profile.overlaps_collectives:
+                            for a in axes:
+                                self.axis_coef[(part, a)][ev] += c * len(labels) * _SCALE
                     self.edge_terms.append(_EdgeTerm(labels, ev, p, q, c, shape_dtype))
         for p, xs in src_groups.items():
             self.lp.Add(sum(pair_vars_p[p]) == sum(xs))
@@ -809,6 +839,7 @@ class IlpBuilder:
             src, src_out, dst, dst_in = key
             cast = space.reduce_at.get(dst)
             reduce = "after" if cast is None and dst in self.chain else cast
+            once = sum(s == src for s, _ in space.in_sources[dst]) == 1
             self.pairs[key] = self._pair_variables(
                 labels,
                 src,
@@ -818,6 +849,7 @@ class IlpBuilder:
                 max_axes=self.reshard_axes,
                 reduce=reduce,
                 forward=space.roles[dst] != roles.BACKWARD,
+                prefetch=src in self.early and once,
             )
 
     def output_terms(self) -> None:
@@ -854,7 +886,7 @@ class IlpBuilder:
             grad = space.roles[like] == roles.PARAM and self.profile.overlaps_collectives
             pairs = self._pair_variables(
                 labels, src, src_out, self.out_group(like, 0),
-                bucket=_all_reduced_axis if grad else None,
+                bucket=_bucket if grad else None,
             )  # fmt: skip
             self.sink_pairs.append((src, src_out, pairs, len(labels)))
 
@@ -1006,8 +1038,8 @@ class IlpBuilder:
         )
 
     def objective(self, coef: dict | None = None) -> None:
-        """min sum of the coefficients gathered (``coef``: use these instead), the bucket
-        terms of each axis counted at its ``bucket_scale`` ("Overlap")."""
+        """min sum of the coefficients gathered (``coef``: use these instead), the hiding
+        terms of each part and axis counted at its ``hide_scale`` ("Overlap")."""
         obj = self.lp.Objective()
         obj.Clear()
         self._active = self.coef if coef is None else coef
@@ -1015,18 +1047,19 @@ class IlpBuilder:
         if coef is None:
             for v, c in self.ties.items():
                 terms[v] += c
-            for axis, part in self.bucket_coef.items():
-                share = self.bucket_scale.get(axis, 1.0 - GRAD_OVERLAP)
-                for v, c in part.items():
+            for (kind, part, axis), pool in self.hide_coef.items():
+                share = self.hide_scale.get((part, axis), FIRST_SHARE[kind])
+                for v, c in pool.items():
                     terms[v] += share * c
         for v, c in terms.items():
             obj.SetCoefficient(v, c)
         obj.SetMinimization()
 
-    def overlap(self) -> tuple[float, dict[int, float]]:
-        """At the solution: the step's length (seconds) with each axis's buckets beside the
-        backward, max(W, W_fwd + B_a + G_a), and the share of each G_a that is not hidden,
-        max(0, 1 - (W - W_fwd - B_a) / G_a) ("Overlap")."""
+    def overlap(self) -> tuple[float, dict[tuple[str, int], float | None]]:
+        """At the solution: the step's length (seconds) with what may hide beside the
+        compute of its part, W + sum over parts of max_a max(0, H_pa - (W_p - B_pa)), and
+        the share of each H_pa that is not hidden (None where the plan has none of it:
+        "Overlap")."""
 
         # the choice variables rounded (the solver's tolerance leaves 1e-7 on a continuous
         # e; the plan is the rounded choice); a checkpointed group's time t as it is
@@ -1042,13 +1075,18 @@ class IlpBuilder:
             )
 
         whole, forward = value(self.coef), value(self.forward_coef)
-        backward = whole - forward
-        step, scales = whole, {}
-        for axis, part in self.bucket_coef.items():
-            g, busy = value(part), value(self.axis_coef.get(axis, {}))
-            step = max(step, forward + busy + g)
-            scales[axis] = max(0.0, 1.0 - (backward - busy) / g) if g > 0 else 0.0
-        return step, scales
+        length = {"forward": forward, "backward": whole - forward}
+        hides: dict[tuple[str, int], float] = defaultdict(float)
+        for (_, part, axis), pool in self.hide_coef.items():
+            hides[(part, axis)] += value(pool)
+        exposed = dict.fromkeys(PARTS, 0.0)
+        scales = {}
+        for (part, axis), h in hides.items():
+            room = length[part] - value(self.axis_coef.get((part, axis), {}))
+            shown = max(0.0, h - room)
+            exposed[part] = max(exposed[part], shown)
+            scales[(part, axis)] = shown / h if h > 0 else None
+        return whole + sum(exposed.values()), scales
 
     # -- reading back ------------------------------------------------------------------------
 
@@ -1257,7 +1295,7 @@ def read_solution(ilp: IlpBuilder, status: int, stats: dict, time_limit_s: float
         **stats,
     }
     # where buckets overlap the backward, the step's length with them ("Overlap")
-    step_s = ilp.overlap()[0] if ilp.bucket_coef else compute_s + comm_s
+    step_s = ilp.overlap()[0] if ilp.hide_coef else compute_s + comm_s
     # the host's fixed time per step (the CPU's; 0 where the host runs ahead of the device)
     params = len(set(ilp.space.params.values()))
     runtime_s = profile.step_overhead + profile.param_overhead * params
@@ -1435,6 +1473,8 @@ def solve(
     forbid: Sequence[Sequence[tuple[str, str]]] = (),
     pins: Sequence[Pin] = (),
     frozen: Mapping[int, Collection[str]] | None = None,
+    assess: Callable[[Solution], float] | None = None,
+    hides: Collection[str] = HIDES,
 ) -> Solution:
     """Solve the ILP of the module docstring for ``space``.
 
@@ -1455,9 +1495,13 @@ def solve(
     changes at least one of them (``forbid_choice``). ``pins``: placements fixed before
     the search (passes/pins; ``pin_node``). ``frozen``: mesh axes on which no edge between
     operators runs a collective, but those out of the given nodes (``freeze_axes``).
+    ``assess``: the length of the step a solution emits (seconds), by which the overlap's
+    rounds are compared ("Overlap"); without it, by the objective's bound. ``hides``: the
+    kinds of overlap the emitted step has (``FIRST_SHARE``'s keys: the buckets' kinds,
+    where passes/buckets runs, and ``prefetch``, where passes/prefetch does).
     """
     solver = solver or os.environ.get("AUTOPAR_SOLVER", "HIGHS")
-    options = dict(merge=merge, reshard_axes=reshard_axes)
+    options = dict(merge=merge, reshard_axes=reshard_axes, hides=hides)
     profile = get_profile(space.mesh.device)
     bounded = memory_budget is not None or memory_fraction is not None
     lv = liveness(space, remat.candidates(space) if checkpointing and bounded else ())
@@ -1487,26 +1531,40 @@ def solve(
         for choice in forbid:
             forbid_choice(ilp, choice)
         status, report = once(ilp)
-        if not ilp.bucket_coef or not _solved(status):
+        if not ilp.hide_coef or not _solved(status):
             return ilp, status, report
-        # "Overlap": re-price each axis's buckets at the share the last plan leaves
-        # unhidden, while the step gets shorter
+
+        # "Overlap": re-price what may hide at the share the last plan leaves unhidden;
+        # keep the plan whose step (as emitted, where ``assess`` says) is the shortest
+        def length(step: float) -> float:
+            if assess is None:
+                return step
+            solution = read_solution(ilp, status, {"memory_budget": budget}, time_limit_s)
+            return assess(solution)
+
         step, scales = ilp.overlap()
+        best = (length(step), ilp.hold(), dict(ilp.hide_scale), status, report)
+        rounds = [best[0]]
         for _ in range(OVERLAP_ROUNDS - 1):
-            held = {a: ilp.bucket_scale.get(a, 1.0 - GRAD_OVERLAP) for a in scales}
-            if all(abs(scales[a] - held[a]) < 0.05 for a in scales):
+            counted = {k: ilp.hide_scale.get(k, _first_share(ilp, k)) for k in scales}
+            # where the plan has none of it, halfway to nothing unhidden: taken whole, that
+            # share (0) swings the plan from one extreme to the other
+            shares = {k: counted[k] / 2 if v is None else v for k, v in scales.items()}
+            if all(abs(shares[k] - counted[k]) < 0.05 for k in scales):
                 break
-            solution = ilp.hold()
-            ilp.bucket_scale = scales
+            ilp.hide_scale = shares
             ilp.objective()
-            new_status, new_report = once(ilp)
-            new_step, new_scales = ilp.overlap() if _solved(new_status) else (math.inf, {})
-            if new_step >= step * (1 - 1e-6):  # no shorter: back to the last plan, as held
-                ilp.bucket_scale = held
-                ilp.objective()
-                ilp.restore(solution)
+            status, report = once(ilp)
+            if not _solved(status):
                 break
-            status, report, step, scales = new_status, new_report, new_step, new_scales
+            step, scales = ilp.overlap()
+            rounds.append(length(step))
+            if rounds[-1] < best[0] * (1 - 1e-6):
+                best = (rounds[-1], ilp.hold(), dict(ilp.hide_scale), status, report)
+        _, solution, ilp.hide_scale, status, report = best
+        ilp.objective()
+        ilp.restore(solution)
+        ilp.rounds = rounds
         return ilp, status, report
 
     def once(ilp: IlpBuilder) -> tuple[int, MemoryReport | None]:
@@ -1561,6 +1619,8 @@ def solve(
         )
     assert report is not None
     stats: dict[str, Any] = {**ilp.times, "ilp_s": ilp_s}
+    if ilp.rounds:
+        stats["overlap_rounds"] = ilp.rounds
     warnings = []
     if retried:
         stats["exact_ilp"] = True

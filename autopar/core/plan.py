@@ -179,11 +179,11 @@ class Plan:
             issued, ``wait_after``. A reshard issued ahead of its consumer
             (passes/prefetch) has ``issue_after``: the node after which it is issued.
         cost: ``compute_s``, ``comm_s`` (every collective of the step, nothing hidden),
-            ``total_s`` and ``comm_by_kind_s``. With gradient buckets (passes/buckets),
-            ``total_s`` is the emitted step simulated (``emitted_step_s``) and the solver's
-            objective is ``objective_s``; without, ``total_s`` is the objective. Where the
-            profile prices the host's fixed time per step (a calibrated CPU), it is
-            ``runtime_s``, in both.
+            ``total_s``, ``objective_s`` and ``comm_by_kind_s``. ``total_s`` is the
+            emitted step simulated (``emitted_step_s``: its buckets and prefetches as
+            codegen emits them, in the plan's order); ``objective_s`` is the solver's
+            objective. Where the profile prices the host's fixed time per step (a
+            calibrated CPU), it is ``runtime_s``, in both.
         memory: ``param_bytes_per_rank`` and ``param_bytes_total``; ``step``: the step
             memory per rank (passes/memory: ``peak_bytes``, ``peak_node``, ``at_peak`` by
             category, ``optimizer``, and ``timeline``: ``nodes`` in step order and, per

@@ -105,12 +105,13 @@ class Span:
 
 
 def _points(plan: Plan) -> list[str]:
-    """The compute stream's points in order: the memory timeline's, else graph order."""
+    """The compute stream's points in order: the memory timeline's, else the plan's order
+    (passes/order), else graph order."""
     step = plan.memory.get("step") or {}
     nodes = (step.get("timeline") or {}).get("nodes")
     if nodes:
         return [n for n in nodes if n != "output"]
-    return list(plan.nodes)
+    return list(plan.order or plan.nodes)
 
 
 def edge_ends(edge: str) -> tuple[str, str]:

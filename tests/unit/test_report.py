@@ -129,6 +129,19 @@ def test_a_plan_without_collectives_schedules_its_compute_alone():
     assert step_length(spans) == pytest.approx(plan.cost["compute_s"], rel=1e-9)
 
 
+def test_without_a_memory_timeline_the_compute_runs_in_the_plans_order():
+    """The solver's overlap rounds simulate a plan the memory stage has not seen: the
+    compute stream follows ``plan.order`` (passes/order, passes/prefetch), not graph order."""
+    plan = _golden("gpt-4-h100-mem0.3-nofold")
+    timeline = [n for n in plan.memory["step"]["timeline"]["nodes"] if n in plan.nodes]
+    order = list(reversed(timeline))
+    memory = {k: v for k, v in plan.memory.items() if k != "step"}
+    bare = dataclasses.replace(plan, memory=memory, order=tuple(order), collectives=())
+    ran = [s.name for s in schedule(bare) if s.stream == COMPUTE]
+    assert ran == [n for n in order if n in ran] and len(ran) > 10
+    assert ran != [n for n in plan.nodes if n in ran]
+
+
 def test_report_is_one_self_contained_page_with_every_section(tmp_path):
     plan = _golden("gpt-4-h100-mem0.3-nofold")
     page = render_html(plan)
