@@ -41,8 +41,9 @@ Its output is held from the issue to its consumer: passes/memory counts it there
 for it at its consumer), and passes/codegen moves the collective, with the ops that prepare
 its input, to right after that point in the local graph, leaving its wait before the
 consumer. Where the held outputs raise the step's peak above the plan's memory budget
-(``stats["memory_budget"]``), nothing is prefetched (the solver bounds the step without
-them).
+(``stats["memory_budget"]``; the solver bounds the step without them), the reshards held at
+the peak are issued at their consumers instead, and the step is measured again, at most
+``BUDGET_ROUNDS`` times; then, or where none is held at the peak, nothing is prefetched.
 
 ``plan.stats``: ``prefetched`` (reshards issued early), ``prefetch_moved`` (inputs moved
 ahead for them).
@@ -60,7 +61,11 @@ from .memory import simulate
 from .order import ready_nodes
 from .solve import overlaps_collectives
 
-__all__ = ["prefetch_reshards"]
+__all__ = ["BUDGET_ROUNDS", "prefetch_reshards"]
+
+BUDGET_ROUNDS = 8
+"""Times the step is measured with fewer prefetches held at its peak, until it fits the
+memory budget (module docstring)."""
 
 
 def _candidates(space: StrategySpace, plan: Plan, position: dict[str, int]) -> list[dict]:
@@ -168,17 +173,32 @@ def prefetch_reshards(space: StrategySpace, plan: Plan, optimizer: str = "adamw"
             if at < position[dst] - 1:
                 early[id(c)] = order[at]
             previous = position[dst]
-    if not early:
-        return plan
-    collectives = tuple(
-        {**c, "issue_after": early[id(c)]} if id(c) in early else c for c in plan.collectives
-    )
-    out = dataclasses.replace(
-        plan, collectives=collectives, order=tuple(order) if moved else plan.order,
-        stats=dict(plan.stats),
-    )  # fmt: skip
     budget = plan.stats.get("memory_budget")
-    if budget is not None and simulate(space, out, optimizer).peak_bytes > budget:
+    consumer = {id(c): edge_ends(c["edge"])[1] for c in plan.collectives}
+    for _ in range(BUDGET_ROUNDS):
+        if not early:
+            return plan
+        collectives = tuple(
+            {**c, "issue_after": early[id(c)]} if id(c) in early else c for c in plan.collectives
+        )
+        out = dataclasses.replace(
+            plan, collectives=collectives, order=tuple(order) if moved else plan.order,
+            stats=dict(plan.stats),
+        )  # fmt: skip
+        if budget is None:
+            break
+        report = simulate(space, out, optimizer)
+        if report.peak_bytes <= budget:
+            break
+        # the prefetches held at the peak go back to their consumers
+        point = {n: i for i, (n, _) in enumerate(report.timeline)}
+        peak = report.peak_index
+        held = [k for k, after in early.items() if point[after] < peak <= point[consumer[k]]]
+        if not held:
+            return plan
+        for k in held:
+            del early[k]
+    else:
         return plan
     out.stats["prefetched"] = len(early)
     out.stats["prefetch_moved"] = moved

@@ -88,13 +88,15 @@ buckets alone, it solved ~13x slower on Llama-3-8B's bf16 step over (8,8), 66 s)
 each H_pa enters the objective at a share s_pa (``hide_scale``). The first solve counts an
 all-reduce bucket at a quarter (1 - ``GRAD_OVERLAP``) and the others whole
 (``FIRST_SHARE``): the plan of the search as it was before it counted them. Then, solved,
-each share moves halfway to the share the plan leaves unhidden, max(0, 1 - (W_p - B_pa) /
-H_pa) (0 for an axis with none), and the ILP is solved again, ``OVERLAP_ROUNDS`` solves at
-most, until the shares settle. Taken whole the share swings the plan between extremes: an
-axis whose weights are replicated has no gathers, so its share is 0, and the next plan
-gathers every weight; halfway, Llama-3-8B on (16, 8) in bf16 went to sharded weights in
-one round (150.4 ms as emitted; the whole share took three rounds to 153.8 ms, through
-271 ms). The rounds keep the plan whose step is the shortest: as the emitted step
+each share becomes the share the plan leaves unhidden, max(0, 1 - (W_p - B_pa) / H_pa),
+and where the plan has none of H_pa, half the share counted (taken as 0, an axis whose
+weights are replicated has no gathers, so the next plan gathers every weight: Llama-3-8B on
+(16, 8) in bf16 went 194.1, 271.4, 166.3, 153.8 ms as emitted, where halving went to
+sharded weights in one round, 150.5 ms). The ILP is solved again, ``OVERLAP_ROUNDS``
+solves at most, until the shares settle or a round gives no shorter step (the rounds then
+swing: GPT-3 over (8,8), 2601.6, 2908.9, then 9086.4 ms as emitted, where the third
+round's shares, low from the second's well-hidden plan, let the ILP pile its collectives
+on them). The rounds keep the plan whose step is the shortest: as the emitted step
 simulated where the caller gives ``assess`` (passes/pipeline: the plan ordered, bucketed
 and prefetched as the later stages will, core/schedule), else by T. T is a bound on each
 stream's busy time, not a schedule: a gather queued behind a scatter on its axis waits, and
@@ -1559,8 +1561,9 @@ def solve(
                 break
             step, scales = ilp.overlap()
             rounds.append(length(step))
-            if rounds[-1] < best[0] * (1 - 1e-6):
-                best = (rounds[-1], ilp.hold(), dict(ilp.hide_scale), status, report)
+            if rounds[-1] >= best[0] * (1 - 1e-6):
+                break  # no shorter: the rounds swing, and the last plan is kept
+            best = (rounds[-1], ilp.hold(), dict(ilp.hide_scale), status, report)
         _, solution, ilp.hide_scale, status, report = best
         ilp.objective()
         ilp.restore(solution)

@@ -30,6 +30,7 @@ from autopar.core.schedule import COMM, COMPUTE, purpose, schedule
 from autopar.models import GPT, GPTConfig, cross_entropy_loss, lm_batch
 from autopar.passes import codegen
 from autopar.passes.codegen import build_local_graph, count_collectives
+from autopar.passes.memory import simulate
 from autopar.passes.prefetch import prefetch_reshards
 from autopar.passes.strategies import build_strategies
 from autopar.passes.trace import trace_step
@@ -167,8 +168,8 @@ def test_cuda_reduce_scatter_buckets_hold_one_input_per_axis(tp_mesh, monkeypatc
 def test_cuda_reshards_are_issued_ahead_of_their_consumers(tp_mesh, monkeypatch):
     """FSDP's all-gathers on a GPU profile (passes/prefetch): each issued before the
     consumer of the one before it on its axis, held from there (memory), run beside the
-    nodes between (schedule), and so in the compiled step; not where it would break the
-    memory budget."""
+    nodes between (schedule), and so in the compiled step; where they would break the memory
+    budget, those held at the peak issued at their consumers."""
 
     model, tokens, targets = _small_gpt()
     mesh = autopar.Mesh((2,), ("dp",), device="h100")
@@ -208,7 +209,7 @@ def test_cuda_reshards_are_issued_ahead_of_their_consumers(tp_mesh, monkeypatch)
     # the emitted step runs them beside the compute: shorter than waiting at each consumer
     assert plan.cost["total_s"] < plain.cost["total_s"]
 
-    # the budget: where what they hold would break it, none is issued early
+    # the budget
     with contextlib.ExitStack() as stack:
         step = trace_step(
             model, (tokens,), loss_fn=cross_entropy_loss, example_targets=(targets,), stack=stack
@@ -217,10 +218,17 @@ def test_cuda_reshards_are_issued_ahead_of_their_consumers(tp_mesh, monkeypatch)
     tight = dataclasses.replace(
         plain, stats={**plain.stats, "memory_budget": plain.memory["step"]["peak_bytes"]}
     )
-    assert plan.memory["step"]["peak_bytes"] > plain.memory["step"]["peak_bytes"]
-    assert prefetch_reshards(space, tight) is tight
+    low, high = plain.memory["step"]["peak_bytes"], plan.memory["step"]["peak_bytes"]
+    assert high > low
     loose = dataclasses.replace(tight, stats={**tight.stats, "memory_budget": 2**40})
     assert prefetch_reshards(space, loose).stats["prefetched"] == len(early)
+    # those held at the peak go back to their consumers until the step fits: at the
+    # unprefetched peak and halfway to the prefetched one, fewer but some prefetched
+    for budget in (low, (low + high) / 2):
+        bound = dataclasses.replace(tight, stats={**tight.stats, "memory_budget": budget})
+        fewer = prefetch_reshards(space, bound)
+        assert 0 < fewer.stats["prefetched"] < len(early)
+        assert simulate(space, fewer).peak_bytes <= budget
 
     # the compiled forward: the collective ahead, its wait at the consumer, ops between
     dmesh = _as_on_cuda(monkeypatch)
