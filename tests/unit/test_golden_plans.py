@@ -38,7 +38,7 @@ CASES = [
     ("gpt", (2,), ("dp",), "h100", None, True),
     ("gpt", (2, 2), ("dp", "tp"), "h100", None, True),
     ("gpt", (2, 2), ("dp", "tp"), "cpu", 0.5, True),
-    ("gpt", (4,), ("dp",), "h100", 0.3, False),
+    ("gpt", (4,), ("dp",), "h100", 0.25, False),
     ("hf-gpt2", (2, 2), ("dp", "tp"), "h100", 0.5, True),
     ("hf-llama", (2, 2), ("dp", "tp"), "h100", None, True),
 ]

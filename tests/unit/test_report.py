@@ -27,7 +27,7 @@ GOLDEN = Path(__file__).resolve().parent.parent / "golden"
 # a 4-layer GPT on (4,) H100s with a budget: reshards, gradient buckets that overlap the
 # backward, and checkpointed layers (a reshard into each recomputed copy); and a GPT on
 # (2,2) on gloo, where nothing overlaps
-CASES = ["gpt-4-h100-mem0.3-nofold", "gpt-2x2-cpu-mem0.5"]
+CASES = ["gpt-4-h100-mem0.25-nofold", "gpt-2x2-cpu-mem0.5"]
 
 
 def _golden(name: str) -> Plan:
@@ -132,7 +132,7 @@ def test_a_plan_without_collectives_schedules_its_compute_alone():
 def test_without_a_memory_timeline_the_compute_runs_in_the_plans_order():
     """The solver's overlap rounds simulate a plan the memory stage has not seen: the
     compute stream follows ``plan.order`` (passes/order, passes/prefetch), not graph order."""
-    plan = _golden("gpt-4-h100-mem0.3-nofold")
+    plan = _golden("gpt-4-h100-mem0.25-nofold")
     timeline = [n for n in plan.memory["step"]["timeline"]["nodes"] if n in plan.nodes]
     order = list(reversed(timeline))
     memory = {k: v for k, v in plan.memory.items() if k != "step"}
@@ -143,7 +143,7 @@ def test_without_a_memory_timeline_the_compute_runs_in_the_plans_order():
 
 
 def test_report_is_one_self_contained_page_with_every_section(tmp_path):
-    plan = _golden("gpt-4-h100-mem0.3-nofold")
+    plan = _golden("gpt-4-h100-mem0.25-nofold")
     page = render_html(plan)
     for section in ("summary", "placements", "cost", "timeline", "memory", "solver", "warnings"):
         assert f'<section id="{section}">' in page
@@ -170,7 +170,7 @@ def test_report_escapes_what_it_shows():
 
 
 def test_memory_chart_draws_at_most_its_limit_and_keeps_the_peak():
-    plan = _golden("gpt-4-h100-mem0.3-nofold")
+    plan = _golden("gpt-4-h100-mem0.25-nofold")
     step = plan.memory["step"]
     tl = step["timeline"]
     reps = 2 * MAX_MEMORY_POINTS // len(tl["nodes"]) + 2  # a timeline past the limit

@@ -19,7 +19,7 @@ GOLDEN = Path(__file__).resolve().parent.parent / "golden"
 
 
 def test_report_renders_in_a_browser_offline_with_every_chart(tmp_path):
-    plan = Plan.from_json(gzip.open(GOLDEN / "gpt-4-h100-mem0.3-nofold.json.gz").read().decode())
+    plan = Plan.from_json(gzip.open(GOLDEN / "gpt-4-h100-mem0.25-nofold.json.gz").read().decode())
     page_path = tmp_path / "report.html"
     write_report(plan, page_path)
     errors: list[str] = []
