@@ -274,8 +274,8 @@ def _hides(skip: Collection[str]) -> frozenset[str]:
 def _emitted(state: dict) -> Callable[[Solution], float]:
     """The length of the step a solution emits, in seconds: its plan in the order, the
     buckets, the prefetches and the memory timeline the report stages give it (those not
-    skipped), simulated (core/schedule). The solver's overlap rounds compare their plans by it (passes/solve,
-    "Overlap")."""
+    skipped), simulated (core/schedule). The solver's overlap rounds compare their plans
+    by it (passes/solve, "Overlap")."""
     space, options = state["strategies"], state["options"]
 
     def length(solution: Solution) -> float:

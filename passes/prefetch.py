@@ -112,9 +112,9 @@ def _sequence(space: StrategySpace, plan: Plan, order: list[str]) -> list[list[d
 
 
 def _moved_ahead(space: StrategySpace, plan: Plan, order: list[str]) -> tuple[list[str], int]:
-    """``order`` with each candidate's input, where ``ready_nodes`` (passes/order) and made after the point its
-    reshard would be issued at, moved there with the ready nodes it reads (module
-    docstring, "The model's state"); and how many nodes moved."""
+    """``order`` with each candidate's input that is one of ``ready_nodes`` (passes/order)
+    and is made after the point its reshard would be issued at, moved there with the ready
+    nodes it reads (module docstring, "The model's state"); and how many nodes moved."""
     fed = {edge_ends(c["edge"])[1] for c in plan.collectives if purpose(c) == "reshard"}
     ready = ready_nodes(space, fed)
     position = {n: i for i, n in enumerate(order)}

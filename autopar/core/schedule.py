@@ -5,7 +5,8 @@ communication, from the plan's per-node costs and predicted collectives:
 
     - the compute stream runs the points of the step in the memory timeline's order (step
       order, with the copies a checkpointed layer recomputes, ``recompute:<node>``, before
-      the layer's first backward read); each takes its chosen strategy's ``cost_s``;
+      the layer's first backward read; without a timeline, ``plan.order``, else graph
+      order); each takes its chosen strategy's ``cost_s``;
     - a reshard on the edge ``src->dst`` runs on the communication stream and ``dst`` waits
       for it; a reshard into a recomputed copy (``(recomputed)``) is one into
       ``recompute:dst``;
