@@ -12,7 +12,10 @@ to ``stats``. The pipeline of docs/architecture.md, as entries:
                                                           skipped)       fold_groups
     strategies   trace, fold, mesh                       StrategySpace strategies
     solve        strategies, options                     Solution      the solver's (problem
-                                                                       size, status, phases)
+                 (on CUDA also trace, mesh: each                       size, status, phases,
+                 overlap round's plan ordered,                         overlap_rounds)
+                 bucketed and prefetched as the
+                 stages below will, ``_emitted``)
     order        strategies, trace, plan                 Ordering      order_segments,
                  (on the Plan assembled after solve;                   order_exact, ...,
                  the state's plan is replaced by                       traced_peak_bytes
