@@ -1562,7 +1562,7 @@ def solve(
             step, scales = ilp.overlap()
             rounds.append(length(step))
             if rounds[-1] >= best[0] * (1 - 1e-6):
-                break  # no shorter: the rounds swing, and the last plan is kept
+                break  # no shorter: the rounds swing; the shortest so far is kept
             best = (rounds[-1], ilp.hold(), dict(ilp.hide_scale), status, report)
         _, solution, ilp.hide_scale, status, report = best
         ilp.objective()
