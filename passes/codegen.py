@@ -37,6 +37,10 @@ plan's order, passes/order), and
        alone, and its peer's send never matches).
        NOTE: ``torch.distributed._functional_collectives`` is the traceable collectives API
        DTensor itself emits; no public module offers it (tests/unit/test_torch_internals.py).
+    5. a cross-entropy op with its classes split (passes/vocab) runs on this rank's classes,
+       from its first class (``core.local_offset``; ``_class_split``): the softmax's max and
+       sum, and its backward's sum, all-reduced over the classes' axis and waited for at
+       once; DTensor's dispatch has no rule for these strategies.
 
 At the graph outputs the loss is redistributed to Replicate, each gradient to its
 parameter's placement. Nothing is done when the plan replicates everything (the local graph
@@ -104,7 +108,7 @@ from autopar.core import (
 )
 from autopar.core.schedule import bucket_site
 
-from . import order, remat, rules
+from . import order, remat, rules, vocab
 from .trace import StepGraph
 
 __all__ = [
@@ -463,10 +467,29 @@ class _Localizer(torch.fx.Interpreter):
             # placement of the tensor it takes its dtype and device from
             size = local_shape(tuple(node.meta["val"].shape), out_ps[0], self.dmesh.shape)
             return target(args[0], list(size), *args[2:], **kwargs)
+        split = vocab.split_axis(
+            target, args, [ps for ps, _ in dst_all], [tuple(v.shape) for _, v in dst_all]
+        )
+        if split is not None:
+            return self._class_split(target, args, dst_all, split)
         at = rules.ATTENTION_Q.get(target)
         if at is not None and rules.sequence_axes(dst_all[at][0]):
             return self._rows_attention(target, args, dst_all)
         return self._run_op(node, target, args, kwargs, in_nodes, dst_all, out_ps)
+
+    def _class_split(self, target, args, placed, split):
+        """A cross-entropy op on this rank's classes (module docstring, 5)."""
+        axis, cdim, pos = split
+        ps, val = placed[pos]
+        coordinate = self.dmesh.get_coordinate()
+        offset = local_offset(tuple(val.shape), ps, self.dmesh.shape, coordinate)[cdim]
+        group = self.dmesh.get_group(axis).group_name
+        out_ps = self._ps(self._choice(self._node.name).out[0])
+        out = vocab.run_local(target, args, offset, group, self.dmesh.shape[axis], out_ps[axis])
+        metas = self._node.meta["val"]
+        if isinstance(out, tuple):
+            return tuple(ops.in_layout_of(t, v) for t, v in zip(out, metas))
+        return ops.in_layout_of(out, metas)
 
     def _rows_attention(self, target, args, placed):
         """A sequence-sharded attention node on this rank's rows (module docstring, 4)."""

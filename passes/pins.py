@@ -7,7 +7,10 @@ Takes: a ``StrategySpace`` and the user's constraints, ``(pattern, placements te
       then the targets; ``input:*`` all of them), or ``attention:*``, every fused attention
       node (``autopar::sdpa`` and its backward; the text is the placement of its output, or
       of dq: ``"S(2)"`` splits the query rows over an axis, context parallelism,
-      ``"S(1)"`` the heads, ``"S(0)"`` the batch); every pattern must match something;
+      ``"S(1)"`` the heads, ``"S(0)"`` the batch), or ``loss:*``, the log-softmax of
+      every cross-entropy (``_log_softmax``; the text is its output's placement: ``"S(1)"``
+      splits the classes of [N, C] logits over an axis, vocabulary-parallel, passes/vocab);
+      every pattern must match something;
     - a name matched by several patterns takes the first's placement.
     - ``reshard:AXIS`` with ``none`` or ``params``: no collective on that mesh axis between
       two operators, or only where a parameter is used (its edges and those of the views and
@@ -45,6 +48,8 @@ import math
 import operator
 from dataclasses import dataclass
 
+import torch
+
 from autopar.core import StrategySpace
 
 from . import rules
@@ -69,6 +74,13 @@ class Pin:
     out: str
     ins: tuple[str, ...] | None = None
     why: str = ""
+
+
+# ``kind:*`` pins every node of these ops (module docstring)
+_OP_PINS = {
+    "attention": (rules.ATTENTION_Q, "fused attention"),
+    "loss": ((torch.ops.aten._log_softmax.default,), "log-softmax"),
+}
 
 
 def resolve(space: StrategySpace, constraints) -> tuple[list[Pin], dict[int, frozenset[str]]]:
@@ -122,16 +134,18 @@ def resolve(space: StrategySpace, constraints) -> tuple[list[Pin], dict[int, fro
             ]
             if not matched:
                 raise ValueError(f"constraint {pattern!r} matches no module path")
-        elif pattern.startswith("attention:"):
-            if pattern != "attention:*":
-                raise ValueError(f"constraint {pattern!r}: 'attention:*' pins every attention")
+        elif pattern.partition(":")[0] in _OP_PINS:
+            kind = pattern.partition(":")[0]
+            ops, what = _OP_PINS[kind]
+            if pattern != f"{kind}:*":
+                raise ValueError(f"constraint {pattern!r}: '{kind}:*' pins every {kind}")
             matched = [
                 (f"{name} ({space.targets[name]})", name)
                 for name in space.order
-                if space.targets.get(name) in rules.ATTENTION_Q
+                if space.targets.get(name) in ops
             ]
             if not matched:
-                raise ValueError(f"constraint {pattern!r}: the step has no fused attention")
+                raise ValueError(f"constraint {pattern!r}: the step has no {what}")
         else:
             matched = [
                 (name, node)

@@ -46,7 +46,8 @@ The ILP (Alpa's intra-operator formulation):
 batch input: the time to read its local part, bytes / memory bandwidth)
 (``cost_models.compute.compute_time``, in ``_node_costs``), plus the collectives the op runs
 inside itself (a load-balanced, rows-split attention's exchanges: passes/rules,
-``balance_exchanges``; ``_inner_collectives``). A ring attention (passes/rules, ``ring``)
+``balance_exchanges``; a class-split cross-entropy's all-reduces of its rows:
+passes/vocab, ``reductions``; ``_inner_collectives``). A ring attention (passes/rules, ``ring``)
 computes on every key in turn, so its kernels are priced on the keys gathered
 (``rules.keys_gathered``), and its shifts overlap them: with c that time and m_i the
 shifts in flight during step i of n (``rules.ring_steps``),
@@ -270,7 +271,7 @@ from autopar.cost_models import (
     redistribute_time,
 )
 
-from . import remat, rules
+from . import remat, rules, vocab
 from .memory import Liveness, MemoryReport, liveness, local_bytes, measure, optimizer_bytes
 from .order import ready_nodes
 from .pins import Pin, check_folding
@@ -364,7 +365,7 @@ def _node_costs(space: StrategySpace, name: str, profile: DeviceProfile) -> list
         ring = _ring_steps(space, name, s)
         if ring is not None:
             c = _ring_time(c, ring[0], ring[1], space.mesh, profile)
-        inner = _balance_exchanges(space, name, s)
+        inner = _balance_exchanges(space, name, s) + _class_reductions(space, name, s)
         if inner:
             c += collectives_time(inner, space.mesh, profile)
         cache[key] = c
@@ -390,13 +391,29 @@ def overlaps_collectives(mesh) -> bool:
 def _inner_collectives(space: StrategySpace, name: str, s: Strategy) -> list[Collective]:
     """The collectives node ``name`` runs inside its op under strategy ``s``: a causal
     attention whose query rows are split, load-balanced over their axis, and a ring
-    attention's shifts (passes/rules)."""
-    out = _balance_exchanges(space, name, s)
+    attention's shifts (passes/rules), and a class-split loss's reductions (passes/vocab)."""
+    out = _balance_exchanges(space, name, s) + _class_reductions(space, name, s)
     ring = _ring_steps(space, name, s)
     if ring is not None:
         steps, tail = ring
         out += [c for step in steps for c in step] + tail
     return out
+
+
+def _class_reductions(space: StrategySpace, name: str, s: Strategy) -> list[Collective]:
+    """The all-reduces of a cross-entropy op that splits its classes (passes/vocab)."""
+    target = space.targets[name]
+    if target not in vocab.CLASS_OPS:
+        return []
+    args, _ = space.calls[name]
+    in_shapes = [space.tensor(src, i)[0] for src, i in space.in_sources[name]]
+    split = vocab.split_axis(target, args, s.ins, in_shapes)
+    if split is None:
+        return []
+    axis, cdim, pos = split
+    shape, dtype = space.tensor(*space.in_sources[name][pos])
+    local = local_shape(shape, s.ins[pos], space.mesh.shape)
+    return vocab.reductions(target, local, cdim, dtype, axis, space.mesh.shape[axis])
 
 
 def _balance_exchanges(space: StrategySpace, name: str, s: Strategy) -> list[Collective]:

@@ -25,6 +25,9 @@ Where the strategies come from, per node kind:
         offered everywhere it multiplies the strategy space several times over.
     attention (passes/rules): its query rows split over one mesh axis at most
         (``rules.split_once``).
+    cross-entropy (``_log_softmax``, ``nll_loss_forward`` and their backward): also its
+        classes split over one mesh axis where DTensor's strategy replicates everything
+        (passes/vocab, ``class_split``): the loss of a column-parallel output head.
     operator with no tensor input (``arange``, ``full``, ...): replicated.
     every operator: also all-Replicate where its rule does not offer it (the op as on one
         device), so that the all-replicated plan is always feasible: the ILP never lacks a
@@ -84,7 +87,8 @@ from autopar.core import (
     roles,
 )
 
-from . import rules  # noqa: F401 - registers autopar's own rules with DTensor
+# (importing rules registers autopar's own rules with DTensor)
+from . import rules, vocab
 from .fold import FoldedGraph, layer_regions
 from .trace import StepGraph
 
@@ -393,6 +397,9 @@ class _SpaceBuilder:
         else:
             strats = self._rule_strategies(node, key, in_nodes)
             strats = [s for s in strats if rules.split_once(node.target, s.ins)]
+            if node.target in vocab.CLASS_OPS:
+                shapes = [self.space.tensor(a.name)[0] for a in in_nodes]
+                strats += vocab.class_split(node.target, node.args, shapes, strats, self.mesh.shape)
         sp.strategies[name] = self.done[key] = strats
 
     def _call_template(self, node: torch.fx.Node) -> list[torch.fx.Node]:

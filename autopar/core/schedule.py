@@ -14,7 +14,8 @@ communication, from the plan's per-node costs and predicted collectives:
       after their gradient is made; a bucket of them (passes/buckets: an entry with
       ``bucket``) after its last gradient;
     - a collective an op runs inside itself (edge ``n->n``: a load-balanced or ring
-      attention's exchanges, passes/solve) is already in the node's ``cost_s``, overlapped
+      attention's exchanges, a class-split cross-entropy's reductions, passes/solve) is
+      already in the node's ``cost_s``, overlapped
       as the op overlaps it: it is drawn on the communication stream from the node's start,
       and nothing waits for it;
     - the communication stream runs the collectives of one mesh axis one at a time, in

@@ -223,6 +223,31 @@ def test_attention_pin_needs_a_fused_attention(gpt):
         autopar.plan(model, MESH_4, inputs, constraints={"attention:*": "R"}, **kw)
 
 
+def test_the_loss_pin_splits_the_classes_where_the_solver_would_gather():
+    # on the CPU profile a 128-class head's log-probabilities (64 KiB) gather for less than
+    # a scalar all-reduce costs: unpinned, the log-softmax reads them whole; ``loss:*``
+    # pins its classes split over the axis (passes/vocab)
+    model, inputs, loss_fn, targets = build_example("hf-llama", batch=2)
+    mesh = Mesh((2,), ("tp",), device="cpu")
+    kw = dict(loss_fn=loss_fn, example_targets=targets)
+
+    def log_softmax(plan):
+        return plan.nodes["_log_softmax"].out[0]
+
+    assert log_softmax(autopar.plan(model, mesh, inputs, **kw)) == ("R",)
+    pinned = autopar.plan(model, mesh, inputs, constraints={"loss:*": "S(1)"}, **kw)
+    assert log_softmax(pinned) == ("S(1)",)
+    with pytest.raises(ValueError, match="'loss:\\*' pins every loss"):
+        autopar.plan(model, mesh, inputs, constraints={"loss:0": "S(1)"}, **kw)
+
+
+def test_loss_pin_needs_a_log_softmax():
+    model, inputs, loss_fn, targets = build_example("mlp", batch=8)
+    kw = dict(loss_fn=loss_fn, example_targets=targets)
+    with pytest.raises(ValueError, match="no log-softmax"):
+        autopar.plan(model, MESH_4, inputs, constraints={"loss:*": "R"}, **kw)
+
+
 def _splits_sequence(space, seq: int) -> list[str]:
     """Nodes of ``space`` with a strategy that splits a dim of length ``seq``."""
     out = []

@@ -1,0 +1,220 @@
+"""Vocabulary-parallel cross-entropy: the loss over logits split along their classes.
+
+Takes nothing at import. ``class_split`` gives passes/strategies the strategies that split
+the class dim of the four ops a cross-entropy traces into; ``reductions`` gives passes/solve
+the collectives such a strategy runs inside its op; ``run_local`` gives passes/codegen the op
+on this rank's classes. DTensor has no rule that splits a softmax along the dim it
+normalises (each rank would normalise its own classes alone), so without this the logits of
+a column-parallel output head are all-gathered before the loss: [N, V] values, where the
+split loss reduces [N] of them.
+
+With the classes of ``x`` [N, C] split over one mesh axis of n ranks, rank c holding the run
+of classes [o_c, o_c + C/n) (``local_offset``), and every other placement as DTensor's rule
+for the op gives it:
+
+    _log_softmax(x, dim)                              x, out: Shard(dim)
+        m = max over the axis of (max over my classes of x)        (all-reduce max, [N])
+        s = sum over the axis of (sum over my classes of exp(x - m))   (all-reduce sum, [N])
+        out = x - m - log s
+    _log_softmax_backward_data(g, out, dim)           g, out, grad_x: Shard(dim)
+        grad_x = g - exp(out) * (sum over the axis of (sum over my classes of g))
+                                                                    (all-reduce sum, [N])
+    nll_loss_forward(lp, t, None, reduction, ignore)  lp: Shard(class); t, total: Replicate;
+                                                      loss: Partial(sum)
+        each rank picks -lp[i, t_i] where t_i is one of its classes, else 0: the sum over
+        the axis is the whole loss (``mean`` divides by the count of targets other than
+        ``ignore``, which every rank computes alike from the whole targets: still a sum).
+        Where another axis leaves the loss Partial(avg) (the batch split: DTensor's rule
+        averages the ranks' means), the loss is Partial(avg) here too, each rank's share
+        times n (DTensor mixes no two partial kinds in one tensor)
+    nll_loss_backward(g, lp, t, None, ...)            g, t, total: Replicate;
+                                                      lp, grad_lp: Shard(class)
+        grad_lp[i, t_i - o_c] = -g_i (/ total for ``mean``) where t_i is one of my classes;
+        no collective
+
+The reductions run in float32 at least (``acc_dtype``: float64 stays float64), over rows of
+[N] values: 8 bytes a row forward and 4 backward, where the gather of float32 logits moves
+4 C bytes a row. Each is waited for at once (the op needs its result), so passes/solve adds
+them to the op's time (``reductions``) and core/schedule draws them inside it.
+
+A class weight (``weight`` not None) is not split: those calls keep DTensor's strategies
+only. The classes are split over one mesh axis at most, and only where the axis's size
+divides them (``core.placements.divides``): a vocabulary of 50257 is not split.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from autopar.core import Collective, Strategy, divides
+
+__all__ = ["CLASS_OPS", "acc_dtype", "class_split", "reductions", "run_local", "split_axis"]
+
+_aten = torch.ops.aten
+_LOG_SOFTMAX = _aten._log_softmax.default
+_LOG_SOFTMAX_BACKWARD = _aten._log_softmax_backward_data.default
+_NLL = _aten.nll_loss_forward.default
+_NLL_BACKWARD = _aten.nll_loss_backward.default
+_MEAN, _SUM = 1, 2  # torch's Reduction enum (0 is none)
+
+# op -> (the tensor inputs split along the classes, by position among the tensor inputs;
+#        the placement of each output on the split axis, Shard meaning along the classes)
+CLASS_OPS: dict[object, tuple[tuple[int, ...], tuple[str, ...]]] = {
+    _LOG_SOFTMAX: ((0,), ("shard",)),
+    _LOG_SOFTMAX_BACKWARD: ((0, 1), ("shard",)),
+    _NLL: ((0,), ("partial", "replicate")),
+    _NLL_BACKWARD: ((1,), ("shard",)),
+}
+"""The ops of a cross-entropy that split along the classes (module docstring)."""
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the split softmax reduces in: float32, or ``dtype`` where it is wider."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def class_dim(target, args, ndim: int) -> int | None:
+    """The class dim of a call to one of ``CLASS_OPS`` whose class-split input has ``ndim``
+    dims (``args`` its arguments); None where the call is not split (a class weight)."""
+    if target == _LOG_SOFTMAX:
+        return args[1] % ndim
+    if target == _LOG_SOFTMAX_BACKWARD:
+        return args[2] % ndim
+    if target == _NLL:
+        return None if args[2] is not None else (1 if ndim == 2 else 0)
+    if target == _NLL_BACKWARD:
+        return None if args[3] is not None else (1 if ndim == 2 else 0)
+    return None
+
+
+def class_split(target, args, in_shapes, strategies, mesh_shape) -> list[Strategy]:
+    """The strategies of one call that split its classes over one mesh axis: each of
+    ``strategies`` (DTensor's) that replicates everything on an axis, with the classes split
+    there (module docstring). ``in_shapes`` the global shapes of the tensor inputs."""
+    entry = CLASS_OPS.get(target)
+    if entry is None:
+        return []
+    split, outs = entry
+    cdim = class_dim(target, args, len(in_shapes[split[0]]))
+    if cdim is None:
+        return []
+    out: list[Strategy] = []
+    for s in strategies:
+        for a in range(len(mesh_shape)):
+            if mesh_shape[a] == 1 or any(
+                ps is not None and ps[a] != Replicate() for ps in s.ins + s.out
+            ):
+                continue
+
+            def at(ps, p, a=a):
+                return ps[:a] + (p,) + ps[a + 1 :]
+
+            ins = tuple(at(ps, Shard(cdim)) if j in split else ps for j, ps in enumerate(s.ins))
+            if not all(divides(ins[j], tuple(in_shapes[j]), mesh_shape) for j in split):
+                continue
+            new_out = tuple(
+                None if ps is None else at(ps, _placement(kind, ps, cdim))
+                for ps, kind in zip(s.out, outs)
+            )
+            out.append(Strategy(out=new_out, ins=ins))
+    return list(dict.fromkeys(out))
+
+
+def _placement(kind: str, others, cdim: int):
+    """An output's placement on the classes' axis: ``Partial("avg")`` where another axis
+    averages it (DTensor does not mix partial kinds in one tensor: ``run_local`` scales
+    the rank's share by the axis's size), else ``Partial("sum")``."""
+    if kind == "shard":
+        return Shard(cdim)
+    if kind == "replicate":
+        return Replicate()
+    return Partial("avg") if Partial("avg") in others else Partial("sum")
+
+
+def split_axis(target, args, ins, in_shapes) -> tuple[int, int, int] | None:
+    """``(axis, class dim, input position)`` where a call of one of ``CLASS_OPS`` (its
+    arguments ``args``, its tensor inputs of global shapes ``in_shapes`` placed ``ins``)
+    splits its classes, else None."""
+    entry = CLASS_OPS.get(target)
+    if entry is None:
+        return None
+    pos = entry[0][0]
+    cdim = class_dim(target, args, len(in_shapes[pos]))
+    if cdim is None:
+        return None
+    axes = [a for a, p in enumerate(ins[pos]) if p == Shard(cdim)]
+    return (axes[0], cdim, pos) if axes else None
+
+
+def reductions(
+    target, local_shape: tuple[int, ...], cdim: int, dtype: torch.dtype, axis: int, ranks: int
+) -> list[Collective]:
+    """The all-reduces a class-split call runs inside its op (module docstring), given the
+    local shape of its class-split input: two of the rows forward, one backward."""
+    rows = 1
+    for d, size in enumerate(local_shape):
+        if d != cdim:
+            rows *= size
+    nbytes = rows * acc_dtype(dtype).itemsize
+    count = {_LOG_SOFTMAX: 2, _LOG_SOFTMAX_BACKWARD: 1}.get(target, 0)
+    return [Collective("all_reduce", axis, nbytes, ranks) for _ in range(count)]
+
+
+def _all_reduce(t: torch.Tensor, op: str, group: str) -> torch.Tensor:
+    c10d = torch.ops._c10d_functional
+    return c10d.wait_tensor(c10d.all_reduce(t, op, group))
+
+
+def _mine(target: torch.Tensor, ignore_index: int, offset: int, classes: int):
+    """Which targets are this rank's classes, and each one's index among them (0 where not)."""
+    local = target - offset
+    mine = (target != ignore_index) & (local >= 0) & (local < classes)
+    return mine, torch.where(mine, local, 0)
+
+
+def run_local(target, args, offset: int, group: str, ranks: int, out_placement):
+    """One class-split call on this rank's classes (module docstring), ``offset`` its first
+    class, ``group`` the split axis's process group name, ``ranks`` its size,
+    ``out_placement`` the first output's placement there; its local outputs."""
+    if target == _LOG_SOFTMAX:
+        x, dim, half_to_float = args
+        acc = acc_dtype(x.dtype)
+        xf = x.to(acc)
+        m = _all_reduce(xf.amax(dim, keepdim=True), "max", group)
+        shifted = xf - m
+        s = _all_reduce(shifted.exp().sum(dim, keepdim=True), "sum", group)
+        out = shifted - s.log()
+        return out if half_to_float else out.to(x.dtype)
+    if target == _LOG_SOFTMAX_BACKWARD:
+        g, out, dim, input_dtype = args
+        acc = acc_dtype(g.dtype)
+        gf = g.to(acc)
+        total = _all_reduce(gf.sum(dim, keepdim=True), "sum", group)
+        return (gf - out.to(acc).exp() * total).to(input_dtype)
+    if target == _NLL:
+        lp, t, _, reduction, ignore_index = args
+        cdim = 1 if lp.dim() == 2 else 0
+        mine, idx = _mine(t, ignore_index, offset, lp.shape[cdim])
+        picked = lp.gather(cdim, idx.unsqueeze(cdim)).squeeze(cdim)
+        result = torch.where(mine, -picked, torch.zeros_like(picked))
+        if out_placement == Partial("avg"):  # the mean over the axis is the sum
+            result = result * ranks
+        if reduction == 0 and lp.dim() > 1:
+            return result, lp.new_zeros(())
+        total = (t != ignore_index).sum().to(lp)
+        if reduction == _SUM:
+            result = result.sum()
+        elif reduction == _MEAN:
+            result = result.sum() / total
+        return result, total
+    if target == _NLL_BACKWARD:
+        g, lp, t, _, reduction, ignore_index, total = args
+        cdim = 1 if lp.dim() == 2 else 0
+        mine, idx = _mine(t, ignore_index, offset, lp.shape[cdim])
+        if reduction == _MEAN:
+            g = g / total
+        value = torch.where(mine, -g, torch.zeros_like(g)).to(lp.dtype)
+        value = value.expand(idx.shape)
+        return torch.zeros_like(lp).scatter(cdim, idx.unsqueeze(cdim), value.unsqueeze(cdim))
+    raise ValueError(f"{target} does not split its classes")
