@@ -70,9 +70,9 @@ def _batch(mesh: Mesh, data: list[str]) -> dict[str, str]:
 
 def dp(mesh: Mesh, axes=None) -> dict[str, str]:
     """Data parallelism over ``axes`` (default: the mesh's first axis; the others are the
-    solver's). The batch split over several axes at once needs one dim sharded over
-    several axes, which the rules of embedding and the NLL loss do not offer yet: the
-    solver then finds no plan and says so."""
+    solver's). Over several axes the batch is split over all of them, and each gradient
+    summed over all of them: as DTensor does it, one all-reduce per axis, or hierarchically
+    where the cost model prices that faster (cost_models/comm)."""
     data = _axes(mesh, axes)
     return {
         "*": _text(mesh, {}),

@@ -4,7 +4,8 @@
 calibrated profile's JSON with ``load_profile`` / ``register_profile``).
 ``compute``: roofline time of one ATen op on local shapes (``compute_time``).
 ``comm``: alpha-beta collective times per mesh axis and DTensor redistribution cost
-(``redistribute_time``). Only the solver imports these (STYLE.md, 3).
+(``redistribute_time``), or a hierarchical reduction's where it is faster
+(``reshard_time``). Only the solver imports these (STYLE.md, 3).
 """
 
 from .comm import (
@@ -13,8 +14,11 @@ from .comm import (
     axis_link,
     collective_time,
     collectives_time,
+    hierarchical_collectives,
     redistribute_collectives,
     redistribute_time,
+    reshard_collectives,
+    reshard_time,
     spans_nodes,
 )
 from .compute import attention_flops, compute_time, is_view_op, kernel_kind, op_bytes, op_flops
@@ -44,8 +48,11 @@ __all__ = [
     "load_profile",
     "op_bytes",
     "op_flops",
+    "hierarchical_collectives",
     "redistribute_collectives",
     "redistribute_time",
+    "reshard_collectives",
+    "reshard_time",
     "register_profile",
     "spans_nodes",
 ]

@@ -55,6 +55,21 @@ into at most one collective on axis ``i``:
 Byte sizes use the tensor as it is at that step: the global shape divided by the shards on
 the other axes (ceil division, as torch.chunk pads the first chunks).
 
+Hierarchical reductions (``reshard_collectives``). A Partial(sum) over several mesh axes
+reduced into Replicate runs, in DTensor, as one full all-reduce per axis; across nodes the
+outer one moves the whole tensor over the slow links. The emitted step may run it instead as
+
+    reduce_scatter over the inner axis (the tensor flat, padded to a multiple of its n_i)
+    all_reduce over each outer axis, of the 1/n_i shard
+    all_gather over the inner axis
+
+(``hierarchical_collectives``; the inner axis is the innermost one summed, on the fastest
+link): 2 (n_i - 1)/n_i S over the inner link and 2 (n_o - 1)/n_o S/n_i over each outer one,
+where DTensor's moves 2 (n_o - 1)/n_o S over the outer, for one more call's latency.
+``reshard_collectives`` takes whichever of the two ``collectives_time`` prices lower, per
+edge: the solver's candidate algorithms, and the plan lists the one chosen (passes/codegen
+runs an edge whose listed collectives use one axis twice as the hierarchical reduction).
+
 NOTE: reimplemented rather than called: DTensor's planner needs a ``DeviceMesh``, i.e. an
 initialised process group, and a cost model must run inside the planner process without
 one. ``tests/unit/test_cost_models.py`` checks the reimplementation against DTensor's own
@@ -75,7 +90,7 @@ import torch
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from autopar.core import COLLECTIVE_KINDS, Collective, Mesh
+from autopar.core import COLLECTIVE_KINDS, Collective, Mesh, hierarchical_axes
 
 from .devices import DeviceProfile, get_profile
 
@@ -329,3 +344,71 @@ def redistribute_time(
         src_placements, dst_placements, global_shape, dtype, mesh.shape
     )
     return collectives_time(collectives, mesh, profile)
+
+
+def hierarchical_collectives(
+    src: Sequence[Placement],
+    dst: Sequence[Placement],
+    global_shape: Sequence[int],
+    dtype: torch.dtype,
+    mesh_shape: Sequence[int],
+) -> list[Collective] | None:
+    """The collectives of ``src -> dst`` as a hierarchical reduction (module docstring), or
+    None where it is not one: a reduce-scatter over the inner axis, an all-reduce of the
+    shard over each outer axis, an all-gather over the inner axis. The tensor is reduced
+    flat, padded to a multiple of the inner axis's size."""
+    axes = hierarchical_axes(src, dst)
+    if axes is None:
+        return None
+    inner, outer = axes
+    n = int(mesh_shape[inner])
+    full = tuple(int(s) for s in global_shape)
+    placed = [_normalize(p, len(full)) for p in src]
+    shape = _local_shape(full, placed, tuple(mesh_shape), skip_axis=-1)
+    shard = -(-math.prod(shape) // n) * dtype.itemsize
+    return [
+        Collective("reduce_scatter", inner, shard * n, n),
+        *(Collective("all_reduce", a, shard, int(mesh_shape[a])) for a in outer),
+        Collective("all_gather", inner, shard * n, n),
+    ]
+
+
+def reshard_collectives(
+    src_placements: Sequence[Placement],
+    dst_placements: Sequence[Placement],
+    global_shape: Sequence[int],
+    dtype: torch.dtype,
+    mesh: Mesh,
+    profile: DeviceProfile | None = None,
+) -> list[Collective]:
+    """The collectives the emitted step runs for ``src -> dst``: DTensor's
+    (``redistribute_collectives``), or the hierarchical reduction where there is one and it
+    is faster (``hierarchical_collectives``; passes/codegen runs it where the plan lists
+    it). Raises ``ValueError`` where DTensor cannot redistribute."""
+    greedy = redistribute_collectives(
+        src_placements, dst_placements, global_shape, dtype, mesh.shape
+    )
+    tiered = hierarchical_collectives(
+        src_placements, dst_placements, global_shape, dtype, mesh.shape
+    )
+    if tiered is not None and collectives_time(tiered, mesh, profile) < collectives_time(
+        greedy, mesh, profile
+    ):
+        return tiered
+    return greedy
+
+
+def reshard_time(
+    src_placements: Sequence[Placement],
+    dst_placements: Sequence[Placement],
+    global_shape: Sequence[int],
+    dtype: torch.dtype,
+    mesh: Mesh,
+    profile: DeviceProfile | None = None,
+) -> float:
+    """Seconds of ``reshard_collectives``: what the solver prices an edge at."""
+    return collectives_time(
+        reshard_collectives(src_placements, dst_placements, global_shape, dtype, mesh, profile),
+        mesh,
+        profile,
+    )

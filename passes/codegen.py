@@ -99,6 +99,7 @@ from autopar.core import (
     CompiledStep,
     Plan,
     contiguous_stride,
+    hierarchical_axes,
     local_offset,
     local_shape,
     ops,
@@ -106,7 +107,7 @@ from autopar.core import (
     reduction,
     roles,
 )
-from autopar.core.schedule import bucket_site
+from autopar.core.schedule import bucket_site, edge_ends
 
 from . import order, remat, rules, vocab
 from .trace import StepGraph
@@ -347,6 +348,14 @@ class _Localizer(torch.fx.Interpreter):
         self.pending: dict[int, torch.Tensor] = {}  # bucket -> its all-reduce, not waited for
         self.done: dict[int, torch.Tensor] = {}  # bucket -> its reduced flat tensor
         self.overlap = dmesh.device_type != "cpu"
+        # edges the plan reduces hierarchically (cost_models/comm): their listed collectives
+        # use one mesh axis twice (a reduce-scatter and an all-gather), which DTensor's
+        # one collective per axis never does
+        axes_of: dict[tuple[str, str], list[str]] = {}
+        for c in plan.collectives:
+            if "bucket" not in c:
+                axes_of.setdefault(self._orig(edge_ends(c["edge"])), []).append(c["axis"])
+        self.tiered = {e for e, axes in axes_of.items() if len(set(axes)) < len(axes)}
 
     def _choice(self, name):
         return self.plan.nodes[self.copy_of.get(name, name)]
@@ -354,9 +363,12 @@ class _Localizer(torch.fx.Interpreter):
     def _ps(self, texts):
         return parse_placements(texts)
 
-    def _redistribute(self, t, src_ps, dst_ps, val):
+    def _redistribute(self, t, src_ps, dst_ps, val, edge=None):
         if src_ps == dst_ps or not isinstance(t, torch.Tensor):
             return t
+        axes = hierarchical_axes(src_ps, dst_ps)
+        if axes is not None and edge is not None and self._orig(edge) in self.tiered:
+            return ops.in_layout_of(self._hierarchical(t, *axes), val)
         out = redistribute_local_tensor(
             t.contiguous(), _spec(self.dmesh, src_ps, val), _spec(self.dmesh, dst_ps, val)
         )
@@ -364,6 +376,32 @@ class _Localizer(torch.fx.Interpreter):
         # value has in the global graph (a transposed key gradient, viewed back to the
         # projection's [B, S, K * D])
         return ops.in_layout_of(out, val)
+
+    def _orig(self, edge: tuple[str, str]) -> tuple[str, str]:
+        """An edge between the global graph's nodes (a recomputed copy's, its original's)."""
+        src, dst = edge
+        dst = dst.removeprefix("recompute:")
+        return self.copy_of.get(src, src), self.copy_of.get(dst, dst)
+
+    def _hierarchical(self, t: torch.Tensor, inner: int, outer: tuple[int, ...]):
+        """A Partial(sum) over several axes reduced into Replicate as the plan lists it
+        (cost_models/comm, hierarchical reductions): reduce-scattered over ``inner`` (flat,
+        padded to a multiple of its size), all-reduced over each of ``outer``, all-gathered
+        over ``inner``; each waited for at once."""
+        c10d = torch.ops._c10d_functional
+        n = self.dmesh.size(inner)
+        flat = t.contiguous().reshape(-1)
+        pad = -flat.numel() % n
+        if pad:
+            flat = F.pad(flat, (0, pad))
+        group = self.dmesh.get_group(inner).group_name
+        shard = c10d.wait_tensor(c10d.reduce_scatter_tensor(flat, "sum", n, group))
+        for a in outer:
+            shard = c10d.wait_tensor(
+                c10d.all_reduce(shard, "sum", self.dmesh.get_group(a).group_name)
+            )
+        whole = c10d.wait_tensor(c10d.all_gather_into_tensor(shard, n, group))
+        return whole[: t.numel()].view(t.shape)
 
     def run_node(self, n):
         self._node = n
@@ -438,7 +476,9 @@ class _Localizer(torch.fx.Interpreter):
             src, idx = node.args
             t = args[0][idx]
             src_ps = self.placed[src.name][idx]
-            return self._redistribute(t, src_ps, self._ps(choice.ins[0]), node.meta["val"])
+            return self._redistribute(
+                t, src_ps, self._ps(choice.ins[0]), node.meta["val"], (src.name, node.name)
+            )
 
         flat_nodes, _ = tree_flatten((node.args, node.kwargs))
         in_nodes = [a for a in flat_nodes if isinstance(a, torch.fx.Node)]
@@ -450,7 +490,9 @@ class _Localizer(torch.fx.Interpreter):
             if isinstance(a, torch.fx.Node):
                 dst = self._ps(choice.ins[j])
                 src_ps = self.placed[a.name][0]
-                new_vals.append(self._redistribute(v, src_ps, dst, a.meta["val"]))
+                new_vals.append(
+                    self._redistribute(v, src_ps, dst, a.meta["val"], (a.name, node.name))
+                )
                 dst_all.append((dst, a.meta["val"]))
                 j += 1
             else:
@@ -593,7 +635,8 @@ class _Localizer(torch.fx.Interpreter):
                 continue
             src_ps = self.placed[a.name][0]
             want = self.plan.output_placements[pos]
-            new.append(self._redistribute(v, src_ps, self._ps(want), a.meta["val"]))
+            edge = (a.name, f"output[{pos}]")
+            new.append(self._redistribute(v, src_ps, self._ps(want), a.meta["val"], edge))
         return type(outs)(new) if isinstance(outs, tuple) else new
 
 

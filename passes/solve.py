@@ -59,7 +59,8 @@ C = c + sum_i m_i + m_tail where each is waited for at once (gloo on CPU, as cod
 
 ``R(p, q)`` the alpha-beta time
 of the collectives that redistribute the tensor from p to q
-(``cost_models.comm.redistribute_time``, in ``_edge_cost``). Graph outputs are edges into
+(``cost_models.comm.reshard_time``, in ``_edge_cost``: DTensor's collectives, or a
+hierarchical reduction of a Partial summed over several axes where it is faster). Graph outputs are edges into
 fixed or tied placements (``Sink``, ``output_terms``): the loss into Replicate on every
 axis, a gradient into its parameter's placement. Since x is one-hot, the margins of each
 edge's e are one-hot, which forces e to the single pair (p, q) chosen, so e needs no
@@ -268,7 +269,8 @@ from autopar.cost_models import (
     compute_time,
     get_profile,
     redistribute_collectives,
-    redistribute_time,
+    reshard_collectives,
+    reshard_time,
 )
 
 from . import remat, rules, vocab
@@ -536,7 +538,7 @@ def _edge_cost(src_ps, dst_ps, shape_dtype, mesh, profile) -> float | None:
         # make_fx cannot trace; strided placements only flow between ops that take them.
         return None
     try:
-        return redistribute_time(src_ps, dst_ps, shape_dtype[0], shape_dtype[1], mesh, profile)
+        return reshard_time(src_ps, dst_ps, shape_dtype[0], shape_dtype[1], mesh, profile)
     except ValueError:
         return None
 
@@ -1267,8 +1269,8 @@ def read_solution(ilp: IlpBuilder, status: int, stats: dict, time_limit_s: float
         val = sum(ilp.value(v) for v in var) if isinstance(var, list) else ilp.value(var)
         if val > 0.5:
             comm_s += t.cost_s * len(t.labels)
-            colls = redistribute_collectives(
-                t.src_ps, t.dst_ps, t.shape_dtype[0], t.shape_dtype[1], mesh.shape
+            colls = reshard_collectives(
+                t.src_ps, t.dst_ps, t.shape_dtype[0], t.shape_dtype[1], mesh, profile
             )
             for label in t.labels:
                 for coll in colls:
@@ -1343,7 +1345,7 @@ def _recomputed_collectives(ilp: IlpBuilder, rec: Recompute) -> list[tuple[str, 
                 if p == q or ilp.value(ev) < 0.5:
                     continue
                 shape, dtype = space.tensor(src, so)
-                for coll in redistribute_collectives(p, q, shape, dtype, space.mesh.shape):
+                for coll in reshard_collectives(p, q, shape, dtype, space.mesh, ilp.profile):
                     t = collectives_time([coll], space.mesh, ilp.profile)
                     found.append((f"{src}->{n} (recomputed)", coll, t))
     return found

@@ -16,6 +16,7 @@ every layer needs on them:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
@@ -24,6 +25,7 @@ __all__ = [
     "Placements",
     "contiguous_stride",
     "divides",
+    "hierarchical_axes",
     "is_planned",
     "is_strided",
     "local_offset",
@@ -145,3 +147,20 @@ def contiguous_stride(shape) -> tuple[int, ...]:
         stride.append(acc)
         acc *= max(s, 1)
     return tuple(reversed(stride))
+
+
+def hierarchical_axes(
+    src: Sequence[Placement], dst: Sequence[Placement]
+) -> tuple[int, tuple[int, ...]] | None:
+    """``(inner axis, outer axes)`` of a hierarchical reduction (cost_models/comm) where
+    ``src -> dst`` sums a Partial over two mesh axes or more into Replicate and leaves every
+    other axis as it is; else None."""
+    summed = [
+        i
+        for i, (p, q) in enumerate(zip(src, dst))
+        if isinstance(p, Partial) and p.reduce_op == "sum" and isinstance(q, Replicate)
+    ]
+    rest = [i for i in range(len(src)) if i not in summed]
+    if len(summed) < 2 or any(src[i] != dst[i] for i in rest):
+        return None
+    return summed[-1], tuple(summed[:-1])

@@ -17,7 +17,7 @@ from autopar import experts
 from autopar.core import parse_placements, reduction
 from autopar.models import GPT, GPTConfig, cross_entropy_loss, lm_batch
 from autopar.runtime import run_local
-from autopar.verify import CollectiveBytes
+from autopar.verify import CollectiveBytes, _cast, build_example, verify
 
 CFG = GPTConfig(vocab=64, seq=16, hidden=32, heads=4, layers=2, ffn=64)
 BATCH = 8
@@ -249,3 +249,39 @@ def test_buckets_run_as_planned_and_match_one_device(strategy, overlap):
     assert r0["reduces"][0] < r0["last_kernel"]
     if overlap:  # each waited for after the backward's last kernel
         assert all(w > r0["last_kernel"] for w in r0["waits"][-len(buckets) :])
+
+
+@pytest.mark.distributed
+def test_gradients_summed_over_two_axes_reduce_hierarchically():
+    # data parallelism over both axes of a (2, 2) mesh: each gradient is summed over both.
+    # Where the cost model prices it faster (cost_models/comm), the plan reduce-scatters it
+    # over tp, all-reduces the half over dp and all-gathers it over tp, and the step runs
+    # exactly that, with the single-device result
+    mesh = autopar.Mesh((2, 2), ("dp", "tp"), device="cpu")
+    torch.manual_seed(0)
+    model, inputs, loss_fn, targets = build_example("gpt", batch=8)
+    model = model.to(torch.float64)
+    plan = autopar.evaluate(
+        model,
+        mesh,
+        tuple(_cast(t, torch.float64) for t in inputs),
+        experts.dp(mesh, ["dp", "tp"]),
+        loss_fn=loss_fn,
+        example_targets=targets,
+    )
+    per_edge: dict[str, list[tuple[str, str]]] = {}
+    for c in plan.collectives:
+        per_edge.setdefault(c["edge"], []).append((c["kind"], c["axis"]))
+    tiered = [e for e, cs in per_edge.items() if len(cs) == 3]
+    assert len(tiered) >= len(plan.params) // 2, per_edge
+    assert all(
+        per_edge[e] == [("reduce_scatter", "tp"), ("all_reduce", "dp"), ("all_gather", "tp")]
+        for e in tiered
+    )
+    reports = verify("gpt", (2, 2), ("dp", "tp"), plan_json=plan.to_json(timings=True), batch=8)
+    for r in reports:
+        assert r.grad_rel_err <= 1e-10, (r.grad_rel_err, r.worst_grad)
+        assert r.param_rel_err <= 1e-8, (r.param_rel_err, r.worst_param)
+        for got, want in zip(r.losses, r.ref_losses):
+            assert got == pytest.approx(want, rel=1e-12)
+    assert reports[0].ran == plan.collective_counts()

@@ -26,11 +26,14 @@ from autopar.cost_models import (
     collectives_time,
     compute_time,
     get_profile,
+    hierarchical_collectives,
     is_view_op,
     op_bytes,
     op_flops,
     redistribute_collectives,
     redistribute_time,
+    reshard_collectives,
+    reshard_time,
 )
 
 aten = torch.ops.aten
@@ -411,6 +414,37 @@ def test_redistribute_time_sums_collectives_on_their_links():
     # profile defaults to the mesh's device
     assert redistribute_time(src, dst, SHAPE, F32, mesh) == pytest.approx(expected)
     assert redistribute_time((Replicate(),) * 2, (Shard(0),) * 2, SHAPE, F32, mesh) == 0.0
+
+
+def test_hierarchical_reduction_scatters_inside_the_node_and_reduces_a_shard_across():
+    mesh = Mesh((16, 8), ("dp", "tp"))
+    src, dst = (Partial(), Partial()), (Replicate(), Replicate())
+    # 2**24 float32 values: reduce-scattered over tp, the eighth all-reduced over dp
+    tiered = hierarchical_collectives(src, dst, (2**24,), F32, mesh.shape)
+    assert tiered == [
+        Collective("reduce_scatter", 1, 2**26, 8),
+        Collective("all_reduce", 0, 2**23, 16),
+        Collective("all_gather", 1, 2**26, 8),
+    ]
+    # flat and padded to a multiple of the inner axis: 9 values as 2 per rank
+    assert hierarchical_collectives(src, dst, (3, 3), F32, mesh.shape)[0].nbytes == 16 * 4
+    # the bytes of the tensor as each rank holds it: a third axis's shard
+    three = (Partial(), Shard(0), Partial())
+    got = hierarchical_collectives(three, (Replicate(), Shard(0), Replicate()), (8, 64), F32,
+                                   (2, 2, 4))  # fmt: skip
+    assert [c.nbytes for c in got] == [4 * 64 * 4, 64 * 4, 4 * 64 * 4]
+    # a Partial over one axis, or another axis changing too: not a hierarchical reduction
+    assert hierarchical_collectives((Partial(), Replicate()), dst, SHAPE, F32, (16, 8)) is None
+    assert hierarchical_collectives(src, (Replicate(), Shard(0)), SHAPE, F32, (16, 8)) is None
+    # across nodes, a large gradient's is the faster: 1/8 of it crosses the slow links
+    big = reshard_collectives(src, dst, (2**24,), F32, mesh, H100)
+    assert big == tiered
+    greedy = redistribute_time(src, dst, (2**24,), F32, mesh, H100)
+    assert reshard_time(src, dst, (2**24,), F32, mesh, H100) < 0.5 * greedy
+    # a scalar's is latency alone: DTensor's two all-reduces, one call fewer
+    assert reshard_collectives(src, dst, (), F32, mesh, H100) == redistribute_collectives(
+        src, dst, (), F32, mesh.shape
+    )
 
 
 def test_collectives_time_rejects_a_collective_from_another_mesh():
