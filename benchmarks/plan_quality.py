@@ -10,9 +10,12 @@ pinned; the solver places the activations between at least cost; no memory bound
 checkpointed):
 
     - on one axis: DP (every parameter replicated, the batch split; DDP), FSDP (ZeRO-3),
-      and Megatron TP;
-    - on two: Megatron TP over the last axis with DP over the first, and with FSDP over
-      the first (torchtitan's 2-D plan).
+      Megatron TP, and Megatron TP with its sequence parallelism (the norms' outputs split
+      along the sequence);
+    - on two: DP and FSDP over both axes (where the batch splits that many ways; each
+      gradient summed over both, hierarchically where that is faster, cost_models/comm),
+      Megatron TP over the last axis with DP over the first, with FSDP over the first,
+      and with sequence parallelism and FSDP over the first (torchtitan's 2-D plan).
 
 Every plan, autopar's and the experts', is solved by the same ILP (passes/solve, with its
 simplifications: following nodes merged into their producers, one mesh axis changed per
@@ -26,7 +29,7 @@ recompute chosen by the same search, at the device's usable memory), in a row of
 "+ checkpointing".
 
 (DP or FSDP over both axes of an (8, 8) mesh would split the batch (``--batch``, 16
-sequences) 64 ways: not a plan for this batch.)
+sequences) 64 ways: not a plan for this batch, and not in the table.)
 
 "x autopar" is the expert's estimated step time over autopar's (above 1: autopar's plan is
 faster); "fits" compares the expert's predicted peak per rank with the usable memory.
@@ -59,7 +62,7 @@ from autopar.models import EXAMPLES
 from autopar.passes.solve import SolveError
 
 
-def _experts(model, mesh: autopar.Mesh) -> list[tuple[str, dict]]:
+def _experts(model, mesh: autopar.Mesh, batch: int) -> list[tuple[str, dict]]:
     """The expert plans for ``mesh`` (module docstring), labelled with their axes."""
     axes = mesh.axis_names
     if len(axes) == 1:
@@ -68,12 +71,21 @@ def _experts(model, mesh: autopar.Mesh) -> list[tuple[str, dict]]:
             (f"DP over {a}", experts.dp(mesh)),
             (f"FSDP over {a}", experts.fsdp(mesh)),
             (f"Megatron TP over {a}", experts.megatron(model, mesh, tp=a)),
-        ]
+            (f"Megatron TP + SP over {a}",
+             experts.megatron(model, mesh, tp=a, sequence_parallel=True)),
+        ]  # fmt: skip
     data, tp = axes[0], axes[-1]
-    return [
+    both = "+".join(axes)
+    whole = [
+        (f"DP over {both}", experts.dp(mesh, list(axes))),
+        (f"FSDP over {both}", experts.fsdp(mesh, list(axes))),
+    ] if batch % mesh.size == 0 else []  # fmt: skip
+    return whole + [
         (f"Megatron TP over {tp} + DP over {data}", experts.megatron(model, mesh, tp=tp, dp=data)),
         (f"Megatron TP over {tp} + FSDP over {data}",
          experts.megatron(model, mesh, tp=tp, dp=data, fsdp=True)),
+        (f"Megatron TP + SP over {tp} + FSDP over {data}",
+         experts.megatron(model, mesh, tp=tp, dp=data, fsdp=True, sequence_parallel=True)),
     ]  # fmt: skip
 
 
@@ -157,7 +169,7 @@ def main() -> int:
             except SolveError as e:  # no plan fits the device: said, and the experts costed
                 rows.append(("autopar", f"no plan: {e}", time.perf_counter() - t0))
             found = isinstance(rows[0][1], autopar.Plan)
-            for label, cons in _experts(model, mesh):
+            for label, cons in _experts(model, mesh, args.batch):
                 t0 = time.perf_counter()
                 try:
                     expert = autopar.evaluate(model, mesh, inputs, cons, **kw)
