@@ -47,8 +47,8 @@ batch input: the time to read its local part, bytes / memory bandwidth)
 (``cost_models.compute.compute_time``, in ``_node_costs``), plus the collectives the op runs
 inside itself (a load-balanced, rows-split attention's exchanges: passes/rules,
 ``balance_exchanges``; a class-split cross-entropy's all-reduces of its rows:
-passes/vocab, ``reductions``; ``_inner_collectives``). A ring attention (passes/rules, ``ring``)
-computes on every key in turn, so its kernels are priced on the keys gathered
+passes/vocab, ``reductions``; ``_inner_collectives``). A ring attention (passes/rules,
+``ring``) computes on every key in turn, so its kernels are priced on the keys gathered
 (``rules.keys_gathered``), and its shifts overlap them: with c that time and m_i the
 shifts in flight during step i of n (``rules.ring_steps``),
 
@@ -60,11 +60,11 @@ C = c + sum_i m_i + m_tail where each is waited for at once (gloo on CPU, as cod
 ``R(p, q)`` the alpha-beta time
 of the collectives that redistribute the tensor from p to q
 (``cost_models.comm.reshard_time``, in ``_edge_cost``: DTensor's collectives, or a
-hierarchical reduction of a Partial summed over several axes where it is faster). Graph outputs are edges into
-fixed or tied placements (``Sink``, ``output_terms``): the loss into Replicate on every
-axis, a gradient into its parameter's placement. Since x is one-hot, the margins of each
-edge's e are one-hot, which forces e to the single pair (p, q) chosen, so e needs no
-integrality.
+hierarchical reduction of a Partial summed over several axes where it is faster). Graph
+outputs are edges into fixed or tied placements (``Sink``, ``output_terms``): the loss
+into Replicate on every axis, a gradient into its parameter's placement. Since x is
+one-hot, the margins of each edge's e are one-hot, which forces e to the single pair (p, q)
+chosen, so e needs no integrality.
 
 Overlap. Where the device overlaps collectives (CUDA), the emitted step runs some of them
 beside the compute, each on its mesh axis's stream, one after another:
@@ -106,11 +106,11 @@ the first plan counted whole showed it (GPT-3 over (8,8), reduce-scatters counte
 T 2628 ms, emitted 2895 ms). Comparing the rounds by the emitted step keeps such a plan
 out, and the first round, counted as before, bounds what the rounds can lose. Where the
 plan kept has a part with nothing to hide (a forward with no gathers ahead: data
-parallelism), the rounds judged that part from a plan without it; one last round counts
-every part at an all-reduce bucket's share, alike, and is kept where its step is shorter
-(Llama-3.2-1B over (8,) in bf16: the rounds kept data parallelism, 96.4 ms, never pricing
-the sharded weights' gathers below half; the last round shards and gathers them, each cast
-to bf16 on its shard, 95.3 ms).
+parallelism) and the memory budget does not bind, the rounds judged that part from a plan
+without it; one last round counts every part at an all-reduce bucket's share, alike, and
+is kept where its step is shorter (Llama-3.2-1B over (8,) in bf16: the rounds kept data
+parallelism, 96.4 ms, never pricing the sharded weights' gathers below half; the last
+round shards and gathers them, each cast to bf16 on its shard, 95.3 ms).
 ``Solution.objective_s`` is T. On gloo there is no overlap (codegen waits for each
 collective where it is issued) and the objective is W.
 
@@ -1591,11 +1591,13 @@ def solve(
                 break  # no shorter: the rounds swing; the shortest so far is kept
             best = (rounds[-1], ilp.hold(), dict(ilp.hide_scale), status, report)
             best_scales = scales
-        if any(v is None for v in best_scales.values()):
+        if not ilp.cuts and any(v is None for v in best_scales.values()):
             # where the kept plan hides nothing in a part of the step (no gathers ahead in
             # the forward: data parallelism), the rounds judged that part's share from a
             # plan without it; one more round prices every part's at an all-reduce
-            # bucket's share, all alike, and is kept where its step is shorter
+            # bucket's share, all alike, and is kept where its step is shorter. Not where
+            # the memory budget binds (the ILP has cuts): there each round is several
+            # solves (a golden plan's 46 s went to 72 s), and the plan shards already
             ilp.hide_scale = {k: FIRST_SHARE["all_reduce"] for k in best_scales}
             ilp.objective()
             status, report = once(ilp)
