@@ -235,9 +235,9 @@ def plan(
     ``"input:N"``, the N-th input, then the targets) and one torch placement per mesh axis,
     or their text (``{"layers.*.wq.weight": (Replicate(), Shard(0)), "input:0": "S(0),R"}``;
     passes/pins; ``autopar.experts`` has the usual ones); the solver chooses the rest.
-    ``bucket_mb``: the gradients reduced over one axis (all-reduced, or reduce-scattered
-    into sharded parameters) go in buckets of about this many MiB, each issued once its
-    last gradient is made (passes/buckets; DDP's default 25);
+    ``bucket_mb``: the gradients reduced over one axis or several (all-reduced, or
+    reduce-scattered into sharded parameters) go in buckets of about this many MiB, each
+    issued once its last gradient is made (passes/buckets; DDP's default 25);
     ``skip={"buckets"}`` reduces each gradient alone at the backward's end.
     """
     if not isinstance(mesh, Mesh):

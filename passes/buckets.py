@@ -6,24 +6,32 @@ collectives, its order). Returns: the plan with each bucket's members replaced i
 ``plan.collectives`` by one collective, and ``plan.cost`` repriced.
 
 Which reductions: a gradient (a sink ``like`` a parameter) whose redistribution to its
-parameter's placement is one collective on one axis, every other axis unchanged
-(``core.reduction``; the solver counts both kinds as hiding behind the backward,
-passes/solve "Overlap"):
+parameter's placement reduces a Partial on one mesh axis or several, every other axis
+unchanged (``core.reductions``), and runs as the plan lists it for that edge in one of two
+shapes (``chain``):
 
-    P -> R      one all-reduce (data parallel, DDP's buckets)
-    P -> S(d)   one reduce-scatter along d (a parameter sharded over the axis: FSDP,
-                ZeRO; FSDP2 reduces its gradients this way)
+    direct          one collective per reduced axis, in the listed order:
+        P -> R          an all-reduce (data parallel, DDP's buckets)
+        P -> S(d)       a reduce-scatter along d (a parameter sharded over the axis:
+                        FSDP, ZeRO; FSDP2 reduces its gradients this way)
+                    e.g. (P, P) -> (S(0), R): a norm's weight under FSDP over dp and
+                    sequence parallelism over tp: RS(dp) then AR(tp)
+    hierarchical    (P, P) -> (R, R) as cost_models/comm's hierarchical reduction:
+                    RS(inner), AR(each outer), AG(inner), on the flat tensor
 
-Others (two axes reduced, a reduce-scatter into a ``_StridedShard``, the loss) stay as they
+The one-axis cases are the ones the solver counts as hiding behind the backward (passes/solve
+"Overlap"); it prices a reduction over several axes whole, and the emitted step (the
+rounds' ``assess``) credits what the bucket hides. Others (a reduce-scatter into a
+``_StridedShard``, a reduce-scatter that would split a dim unevenly, the loss) stay as they
 are, at the graph's end.
 
 How (at plan time so that counts and costs are the plan's): the candidates, in the order
 their gradients are made (``plan.order``, else the traced order), go into one open bucket
-per ``(kind, axis, dtype, reduce op)``; a bucket closes when it holds ``bucket_bytes`` or
-more (a gradient over the cap is a bucket of its own, issued as early as the others). A
-bucket is issued after the node that makes its last gradient (``edge``: ``<that
-node>->output[<positions>] (bucket k: n gradients)``). With G ranks on the axis and
-``g_i`` the members as made (local, unreduced):
+per ``(listed collectives, dtype, reduce op)``; a bucket closes when its flat input holds
+``bucket_bytes`` or more (a gradient over the cap is a bucket of its own, issued as early
+as the others). A bucket is issued after the node that makes its last gradient (``edge``:
+``<that node>->output[<positions>] (bucket k: n gradients)``). With G ranks on the axis and
+``g_i`` the members as made (local, unreduced), one step of a bucket:
 
     all-reduce      flat = cat(g_i.view(-1) for i)                  members freed
                     out  = all_reduce(flat, op, axis)               flat freed
@@ -34,24 +42,39 @@ node>->output[<positions>] (bucket k: n gradients)``). With G ranks on the axis 
                     member i: a view of out (its offset, g_i's chunk shape)
 
 so rank r's ``out`` holds each member's reduced chunk r: exactly what DTensor's own
-``Partial -> Shard(d_i)`` gives each member (one ``reduce_scatter_tensor`` along d_i). The
-bucket is priced as one call: ``time(B) = collective_time(kind, sum of member bytes)``
-(one ``collective_overhead``, one set of latencies, where n reductions paid n), on the
-axis's link. passes/codegen emits exactly this. Where it is waited for:
+``Partial -> Shard(d_i)`` gives each member (one ``reduce_scatter_tensor`` along d_i). A
+direct bucket over several axes runs its steps in the listed order on one flat tensor laid
+out rank-major over each reduce-scatter's axis in turn (rank r1 of the first, within it r2
+of the second, ..., each member's chunk ``g_i.chunk(G1, d1)[r1].chunk(G2, d2)[r2]``), so
+each reduce-scatter leaves the next its layout; an all-reduce between them reduces what is
+there. So each member ends as DTensor's steps, one by one, leave it. A hierarchical bucket
+reduces ``cat(g_i.view(-1))``, padded to a multiple of the inner axis's size, by its three
+steps, and each member is a view of the gathered whole. Each step is one entry of
+``plan.collectives`` (``step``, ``steps``, one edge: core/schedule runs them one after
+the other), priced as one call on its axis: ``time = collective_time(kind, bytes)``
+(``step_bytes``: one ``collective_overhead``, one set of latencies, where n reductions
+paid n). passes/codegen emits exactly this. Where it is waited for:
 
-    gloo            at once (two collectives in flight on one gloo group can mix their
-                    messages, passes/codegen ``_Ring``): ``overlap`` False in the entry
-    CUDA            all-reduce: at the backward's end (its input is copied into its output
-                    at the call and freed there); reduce-scatter: where the next
-                    reduce-scatter bucket on its axis is issued (``wait_after``: that
-                    bucket's issue node; the last at the backward's end). The process
-                    group holds a collective's input until it is waited for, and a
-                    reduce-scatter's input is G times its output: so at most one bucket's
-                    input is held per axis, as FSDP2 waits for one reduce-scatter before
-                    it issues the next
+    gloo            every step at once (two collectives in flight on one gloo group can
+                    mix their messages, passes/codegen ``_Ring``): ``overlap`` False in
+                    the entry
+    CUDA            one step: an all-reduce at the backward's end (its input is copied
+                    into its output at the call and freed there); a reduce-scatter where
+                    the next one-step reduce-scatter bucket on its axis is issued
+                    (``wait_after``: that bucket's issue node; the last at the backward's
+                    end). The process group holds a collective's input until it is waited
+                    for, and a reduce-scatter's input is G times its output: so at most
+                    one bucket's input is held per axis, as FSDP2 waits for one
+                    reduce-scatter before it issues the next.
+                    several steps: step i (i >= 1) where the i-th bucket after this one is
+                    issued (``step_after``), the step before waited for there: the graph
+                    has no streams to chain them on, so the compute stream runs on while
+                    each step runs, and waits for it a bucket later; where no bucket is
+                    left, at the backward's end, as is the last step's wait
 
 passes/memory counts the members to the issue point, ``flat`` there (to its wait, where
-``wait_after`` or a reduce-scatter waited at the end holds it), and ``out`` (the members as
+``wait_after`` or a reduce-scatter waited at the end holds it; a bucket of several steps
+whose first is a reduce-scatter, to its second step's issue), and ``out`` (the members as
 their parameters hold them: 1/G of ``flat`` for a reduce-scatter) from there to the end;
 core/schedule issues the bucket after its last gradient and, where the profile overlaps
 collectives, lets the compute stream run on to the bucket's wait.
@@ -67,11 +90,13 @@ has.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import defaultdict
+from collections.abc import Sequence
 
 import torch
 
-from autopar.core import Plan, StrategySpace, parse_placements, reduction, roles
+from autopar.core import Plan, StrategySpace, local_shape, parse_placements, reductions, roles
 
 from .solve import collective_s, overlaps_collectives
 
@@ -83,27 +108,59 @@ DEFAULT_BUCKET_BYTES = 25 * 2**20
 
 @dataclasses.dataclass
 class Bucket:
-    """One bucket: its members' sink positions, in the order their gradients are made."""
+    """One bucket: its members' sink positions, in the order their gradients are made, and
+    the collectives it runs (``steps``: ``(kind, axis)``, in order)."""
 
-    kind: str
-    axis: str
+    steps: tuple[tuple[str, str], ...]
     dtype: torch.dtype
     op: str
     members: list[dict] = dataclasses.field(default_factory=list)
     positions: list[int] = dataclasses.field(default_factory=list)
     issue: str = ""
     at: int = 0  # the issue node's position in the step's order
-    nbytes: int = 0
+    numel: int = 0  # of the flat input, unpadded
+
+    @property
+    def kind(self) -> str:
+        return self.steps[0][0]
+
+    @property
+    def axis(self) -> str:
+        return self.steps[0][1]
 
 
-def candidates(
-    space: StrategySpace, plan: Plan
-) -> list[tuple[int, dict, int, str, str, torch.dtype]]:
-    """``(sink position, its collective, producer index, producer, reduce op, dtype)`` of
-    each gradient whose reduction is one all-reduce or one reduce-scatter on one axis
-    (module docstring), in the order made."""
+def chain(steps: Sequence[tuple[str, str]], scattered: dict[str, int | None]) -> str | None:
+    """``direct`` or ``hierarchical`` where a gradient's listed collectives (``steps``:
+    ``(kind, axis)`` in order) are a reduction over the axes of ``scattered`` (axis ->
+    scatter dim, None: reduced into Replicate; ``core.reductions``) that a bucket can run
+    on one flat tensor (module docstring); else None."""
+    kinds = [k for k, _ in steps]
+    axes = [a for _, a in steps]
+    if (
+        len(steps) >= 3
+        and kinds[0] == "reduce_scatter"
+        and kinds[-1] == "all_gather"
+        and axes[0] == axes[-1]
+        and all(k == "all_reduce" for k in kinds[1:-1])
+        and len(set(axes[:-1])) == len(axes) - 1
+        and set(axes) == set(scattered)
+        and all(d is None for d in scattered.values())
+    ):
+        return "hierarchical"
+    if len(set(axes)) != len(axes) or set(axes) != set(scattered):
+        return None
+    wanted = {a: ("all_reduce" if d is None else "reduce_scatter") for a, d in scattered.items()}
+    return "direct" if all(wanted[a] == k for k, a in steps) else None
+
+
+def candidates(space: StrategySpace, plan: Plan) -> list[tuple]:
+    """``(sink position, its collectives, producer index, producer, reduce op, dtype,
+    local numel as made)`` of each gradient whose reduction a bucket can run (module
+    docstring), in the order made."""
     order = list(plan.order) if plan.order else list(space.order)
     index = {n: i for i, n in enumerate(order)}
+    mesh = plan.mesh
+    names = mesh.axis_names
     per_edge: dict[str, list[dict]] = defaultdict(list)
     for c in plan.collectives:
         per_edge[c["edge"]].append(c)
@@ -113,24 +170,62 @@ def candidates(
             continue
         label = f"{sink.src}->output[{sink.position}] (as {sink.like})"
         cs = per_edge.get(label, [])
-        if len(cs) != 1 or sink.src_out != 0:
+        if not cs or sink.src_out != 0:
             continue
         src_ps = plan.nodes[sink.src].out[0]
         dst_ps = plan.nodes[sink.like].out[0]
         if src_ps is None or dst_ps is None:
             continue
         src_p = parse_placements(src_ps)
-        reduced = reduction(src_p, parse_placements(dst_ps))
+        reduced = reductions(src_p, parse_placements(dst_ps))
         if reduced is None:
             continue
-        axis, dim = reduced
-        if cs[0]["kind"] != ("all_reduce" if dim is None else "reduce_scatter"):
+        scattered = {names[a]: d for a, d in reduced.items()}
+        steps = tuple((c["kind"], c["axis"]) for c in cs)
+        how = chain(steps, scattered)
+        if how is None:
             continue
-        op = str(getattr(src_p[axis], "reduce_op", "sum"))
-        dtype = space.tensor(sink.src, 0)[1]
-        found.append((sink.position, cs[0], index[sink.src], sink.src, op, dtype))
+        shape, dtype = space.tensor(sink.src, 0)
+        made = local_shape(tuple(shape), src_p, mesh.shape)
+        if how == "direct" and not _splits_evenly(made, steps, scattered, mesh):
+            continue
+        op = str(getattr(src_p[next(iter(reduced))], "reduce_op", "sum"))
+        numel = math.prod(made)
+        found.append((sink.position, cs, index[sink.src], sink.src, op, dtype, numel))
     found.sort(key=lambda f: (f[2], f[0]))
     return found
+
+
+def _splits_evenly(made, steps, scattered, mesh) -> bool:
+    """Each reduce-scatter of ``steps`` splits what the ones before it left evenly (a
+    bucket's flat tensor is the members' equal chunks, rank by rank)."""
+    local = list(made)
+    for kind, axis in steps:
+        d, n = scattered[axis], mesh.shape[mesh.axis_names.index(axis)]
+        if kind == "reduce_scatter" and d is not None:
+            if local[d] % n:
+                return False
+            local[d] //= n
+    return True
+
+
+def step_bytes(b: Bucket, mesh) -> list[int]:
+    """The bytes each of ``b``'s collectives moves (cost_models/comm's convention: the
+    tensor as it is before a reduce-scatter and after an all-gather): a reduce-scatter
+    leaves 1/n of the flat tensor to the next; a hierarchical chain (its last an all-gather)
+    pads the flat tensor to a multiple of its inner axis's size."""
+    size = {a: n for a, n in zip(mesh.axis_names, mesh.shape)}
+    item = b.dtype.itemsize
+    if b.steps[-1][0] == "all_gather":
+        n = size[b.steps[0][1]]
+        shard = -(-b.numel // n) * item
+        return [shard * n] + [shard] * (len(b.steps) - 2) + [shard * n]
+    out, now = [], b.numel * item
+    for kind, axis in b.steps:
+        out.append(now)
+        if kind == "reduce_scatter":
+            now //= size[axis]
+    return out
 
 
 def bucket_reductions(space: StrategySpace, plan: Plan, bucket_bytes: float) -> Plan:
@@ -140,42 +235,57 @@ def bucket_reductions(space: StrategySpace, plan: Plan, bucket_bytes: float) -> 
     found = candidates(space, plan)
     open_: dict[tuple, Bucket] = {}
     done: list[Bucket] = []
-    for position, c, at, src, op, dtype in found:
-        key = (c["kind"], c["axis"], dtype, op)
-        b = open_.setdefault(key, Bucket(c["kind"], c["axis"], dtype, op))
-        b.members.append(c)
+    for position, cs, at, src, op, dtype, numel in found:
+        steps = tuple((c["kind"], c["axis"]) for c in cs)
+        key = (steps, dtype, op)
+        b = open_.setdefault(key, Bucket(steps, dtype, op))
+        b.members.append(cs[0])
         b.positions.append(position)
         b.issue, b.at = src, at
-        b.nbytes += int(c["nbytes"])
-        if b.nbytes >= bucket_bytes:
+        b.numel += numel
+        if b.numel * dtype.itemsize >= bucket_bytes:
             done.append(open_.pop(key))
     done.extend(open_.values())
     axis_index = {a: i for i, a in enumerate(plan.mesh.axis_names)}
-    bucketed = {id(c) for b in done for c in b.members}
+    bucketed = {id(c) for f in found for c in f[1]}  # every candidate is in a bucket
     done.sort(key=lambda b: b.at)
     collectives = [c for c in plan.collectives if id(c) not in bucketed]
     overlap = overlaps_collectives(plan.mesh)
+
+    def later_points(b: Bucket) -> list[str]:
+        """The points after ``b``'s issue where other buckets are issued, in order: on
+        CUDA, step i of a bucket of several is issued at the i-th (module docstring)."""
+        return [n for _, n in sorted({o.at: o.issue for o in done if o.at > b.at}.items())]
+
     for k, b in enumerate(done):
-        entry = {
-            "edge": f"{b.issue}->output[{','.join(map(str, b.positions))}] "
-            f"(bucket {k}: {len(b.members)} gradients)",
-            "param": f"{len(b.members)} gradients ({b.members[0].get('param', '?')}, ...)",
-            "params": [c.get("param", "") for c in b.members],
-            "kind": b.kind,
-            "axis": b.axis,
-            "nbytes": b.nbytes,
-            "group_size": int(b.members[0]["group_size"]),
-            "time_s": collective_s(plan.mesh, b.kind, axis_index[b.axis], b.nbytes),
-            "bucket": k,
-            "dtype": str(b.dtype).removeprefix("torch."),
-            "op": b.op,
-            "overlap": overlap,
-        }
-        if overlap and b.kind == "reduce_scatter":  # its input held to its wait: bound it
-            later = [n for n in done if n.kind == b.kind and n.axis == b.axis and n.at > b.at]
-            if later:
-                entry["wait_after"] = later[0].issue
-        collectives.append(entry)
+        single = len(b.steps) == 1
+        for i, ((kind, axis), nbytes) in enumerate(zip(b.steps, step_bytes(b, plan.mesh))):
+            entry = {
+                "edge": f"{b.issue}->output[{','.join(map(str, b.positions))}] "
+                f"(bucket {k}: {len(b.members)} gradients)",
+                "param": f"{len(b.members)} gradients ({b.members[0].get('param', '?')}, ...)",
+                "params": [c.get("param", "") for c in b.members],
+                "kind": kind,
+                "axis": axis,
+                "nbytes": nbytes,
+                "group_size": int(plan.mesh.shape[axis_index[axis]]),
+                "time_s": collective_s(plan.mesh, kind, axis_index[axis], nbytes),
+                "bucket": k,
+                "dtype": str(b.dtype).removeprefix("torch."),
+                "op": b.op,
+                "overlap": overlap,
+            }
+            if not single:
+                entry.update(step=i, steps=len(b.steps))
+                if overlap and 0 < i <= len(later_points(b)):  # else issued at the end
+                    entry["step_after"] = later_points(b)[i - 1]
+            if overlap and single and kind == "reduce_scatter":  # its input held to its wait
+                later = [
+                    n for n in done if n.steps == b.steps and n.at > b.at
+                ]  # the next one-step reduce-scatter bucket on its axis
+                if later:
+                    entry["wait_after"] = later[0].issue
+            collectives.append(entry)
     by_kind: dict[str, float] = defaultdict(float)
     for c in collectives:
         by_kind[c["kind"]] += c["time_s"]
@@ -186,5 +296,5 @@ def bucket_reductions(space: StrategySpace, plan: Plan, bucket_bytes: float) -> 
     out = dataclasses.replace(plan, collectives=tuple(collectives), cost=cost)
     out.stats["buckets"] = len(done)
     out.stats["overlaps_collectives"] = overlap
-    out.stats["bucketed_reductions"] = len(bucketed)
+    out.stats["bucketed_reductions"] = len(found)  # gradients
     return out

@@ -104,12 +104,12 @@ from autopar.core import (
     local_shape,
     ops,
     parse_placements,
-    reduction,
+    reductions,
     roles,
 )
 from autopar.core.schedule import bucket_site, edge_ends
 
-from . import order, remat, rules, vocab
+from . import buckets, order, remat, rules, vocab
 from .trace import StepGraph
 
 __all__ = [
@@ -334,20 +334,28 @@ class _Localizer(torch.fx.Interpreter):
         self.rep = (Replicate(),) * dmesh.ndim
         self.param_nodes = {n: name for name, n in plan.params.items()}
         # gradient buckets (passes/buckets): issued after the node that makes the last
-        # gradient, each output position then read from its bucket
-        self.buckets: dict[str, list[tuple[dict, list[int]]]] = {}
+        # gradient, each output position then read from its bucket; a bucket of several
+        # steps runs them one after another, on CUDA each after the node its entry's
+        # ``step_after`` names (else at the first read)
+        self.steps: dict[int, list[dict]] = {}  # bucket -> its collectives, in order
+        self.issued_at: dict[str, list[dict]] = {}  # node -> the steps issued after it
         self.waits: dict[str, list[int]] = {}  # node -> buckets waited for after it
+        self.overlap = dmesh.device_type != "cpu"
         for c in plan.collectives:
-            if "bucket" in c:
-                src, positions = bucket_site(c)
-                self.buckets.setdefault(src, []).append((c, positions))
-                if "wait_after" in c:
-                    self.waits.setdefault(c["wait_after"], []).append(c["bucket"])
+            if "bucket" not in c:
+                continue
+            self.steps.setdefault(c["bucket"], []).append(c)
+            if c.get("step", 0) == 0:
+                self.issued_at.setdefault(bucket_site(c)[0], []).append(c)
+            elif self.overlap and "step_after" in c:
+                self.issued_at.setdefault(c["step_after"], []).append(c)
+            if "wait_after" in c:
+                self.waits.setdefault(c["wait_after"], []).append(c["bucket"])
         self.outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
         self.reduced: dict[int, tuple] = {}  # output position -> (bucket, offset, shape)
-        self.pending: dict[int, torch.Tensor] = {}  # bucket -> its all-reduce, not waited for
+        self.pending: dict[int, torch.Tensor] = {}  # bucket -> its last step, not waited for
+        self.next_step: dict[int, int] = {}  # bucket -> its next step to issue
         self.done: dict[int, torch.Tensor] = {}  # bucket -> its reduced flat tensor
-        self.overlap = dmesh.device_type != "cpu"
         # edges the plan reduces hierarchically (cost_models/comm): their listed collectives
         # use one mesh axis twice (a reduce-scatter and an all-gather), which DTensor's
         # one collective per axis never does
@@ -408,56 +416,90 @@ class _Localizer(torch.fx.Interpreter):
         out = super().run_node(n)
         for k in self.waits.get(n.name, ()) if self.overlap else ():  # before the next
             self.done[k] = torch.ops._c10d_functional.wait_tensor(self.pending.pop(k))
-        for bucket, positions in self.buckets.get(n.name, ()):
-            self._issue(bucket, positions, n, out)
+        for c in self.issued_at.get(n.name, ()):
+            if c.get("step", 0) == 0:
+                self._issue(c, n, out)
+            else:
+                self._advance(c["bucket"])
         return out
 
-    def _issue(self, bucket: dict, positions: list[int], node, value) -> None:
+    def _issue(self, bucket: dict, node, value) -> None:
         """One bucket of gradient reductions (passes/buckets): the members flattened into
-        one tensor (for a reduce-scatter, rank-major: each rank's chunk of every member in
-        turn) and reduced over the bucket's axis; on gloo waited for at once (two
-        collectives in flight on one gloo group can mix their messages, ``_Ring``), else
-        after the node its entry's ``wait_after`` names (``run_node``) or at the step's
-        end."""
-        axis = self.plan.mesh.axis_names.index(bucket["axis"])
-        size = self.dmesh.size(axis)
-        scatter = bucket["kind"] == "reduce_scatter"
+        one tensor and its first step issued. A direct bucket lays the members out
+        rank-major over each reduce-scatter's axis in turn (each rank's chunk of every
+        member, within it each chunk of the next reduce-scatter's axis, ...); a
+        hierarchical one flat, padded to a multiple of its inner axis's size. On gloo every
+        step runs and is waited for at once (two collectives in flight on one gloo group
+        can mix their messages, ``_Ring``); on CUDA the next step is issued after the node
+        its entry's ``step_after`` names (``_advance``), and the last waited for after the
+        node its entry's ``wait_after`` names (``run_node``) or at the first read."""
+        k = bucket["bucket"]
+        steps = self.steps[k]
+        names = self.plan.mesh.axis_names
+        listed = tuple((c["kind"], c["axis"]) for c in steps)
+        tiered = listed[-1][0] == "all_gather"
+        positions = bucket_site(bucket)[1]
         members, offset = [], 0
         for pos in positions:
             src = self.outputs[pos]
             t = value if src is node else self.env[src]
             src_ps = self.placed[src.name][0]
             want = self._ps(self.plan.output_placements[pos])
-            reduced = reduction(src_ps, want)
-            if reduced is None or reduced[0] != axis or (reduced[1] is not None) != scatter:
+            reduced = reductions(src_ps, want)
+            scattered = None if reduced is None else {names[a]: d for a, d in reduced.items()}
+            if scattered is None or buckets.chain(listed, scattered) is None:
                 raise RuntimeError(
-                    f"bucket {bucket['bucket']}: output {pos} ({src.name}) is {src_ps}, to "
-                    f"leave as {want}; the plan bucketed it as one {bucket['kind']} over "
-                    f"{bucket['axis']}"
+                    f"bucket {k}: output {pos} ({src.name}) is {src_ps}, to leave as {want}; "
+                    f"the plan bucketed it as {listed}"
                 )
-            pieces = t.chunk(size, reduced[1]) if scatter else (t,)
+            pieces = [t]
+            for kind, axis in listed if not tiered else ():
+                if kind == "reduce_scatter":
+                    n, d = self.dmesh.size(names.index(axis)), scattered[axis]
+                    pieces = [c for p in pieces for c in p.chunk(n, d)]
             members.append(pieces)
-            self.reduced[pos] = (bucket["bucket"], offset, pieces[0].shape)
+            self.reduced[pos] = (k, offset, pieces[0].shape)
             offset += pieces[0].numel()
         flat = [p.reshape(-1) for r in range(len(members[0])) for p in (m[r] for m in members)]
-        group = self.dmesh.get_group(axis).group_name
-        c10d = torch.ops._c10d_functional
         # (one member of an all-reduce: its own flat view, or a copy where it is not
         # contiguous)
         joined = torch.cat(flat) if len(flat) > 1 else flat[0]
-        if scatter:
-            handle = c10d.reduce_scatter_tensor(joined, bucket["op"], size, group)
-        else:
-            handle = c10d.all_reduce(joined, bucket["op"], group)
-        if self.overlap:
-            self.pending[bucket["bucket"]] = handle
-        else:
-            self.done[bucket["bucket"]] = c10d.wait_tensor(handle)
+        if tiered:
+            pad = -joined.numel() % self.dmesh.size(names.index(listed[0][1]))
+            joined = F.pad(joined, (0, pad)) if pad else joined
+        self.pending[k] = self._collective(steps[0], joined)
+        self.next_step[k] = 1
+        if not self.overlap:
+            while self.next_step[k] < len(steps):
+                self._advance(k)
+            self.done[k] = torch.ops._c10d_functional.wait_tensor(self.pending.pop(k))
+
+    def _collective(self, c: dict, x: torch.Tensor) -> torch.Tensor:
+        """One step of a bucket, issued (not waited for)."""
+        c10d = torch.ops._c10d_functional
+        axis = self.plan.mesh.axis_names.index(c["axis"])
+        size, group = self.dmesh.size(axis), self.dmesh.get_group(axis).group_name
+        if c["kind"] == "reduce_scatter":
+            return c10d.reduce_scatter_tensor(x, c["op"], size, group)
+        if c["kind"] == "all_gather":
+            return c10d.all_gather_into_tensor(x, size, group)
+        return c10d.all_reduce(x, c["op"], group)
+
+    def _advance(self, k: int) -> None:
+        """Bucket ``k``'s next step: the one before waited for, this one issued on its
+        output."""
+        i = self.next_step[k]
+        x = torch.ops._c10d_functional.wait_tensor(self.pending.pop(k))
+        self.pending[k] = self._collective(self.steps[k][i], x)
+        self.next_step[k] = i + 1
 
     def _bucketed(self, pos: int, val) -> torch.Tensor:
-        """Output ``pos``'s reduced gradient: a view of its bucket's reduced tensor."""
+        """Output ``pos``'s reduced gradient: a view of its bucket's reduced tensor (the
+        steps not yet issued, issued first)."""
         k, offset, shape = self.reduced[pos]
         if k not in self.done:
+            while self.next_step[k] < len(self.steps[k]):
+                self._advance(k)
             self.done[k] = torch.ops._c10d_functional.wait_tensor(self.pending.pop(k))
         out = self.done[k].narrow(0, offset, math.prod(shape)).view(shape)
         return ops.in_layout_of(out, val)

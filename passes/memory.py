@@ -51,7 +51,9 @@ flattened input (the members' sizes as made) is a collective buffer, and from th
 point to the end its reduced output (the members' sizes as they leave) counts as
 gradients. Those outputs are left out of ``bytes(out)``. A reduce-scatter bucket whose
 wait is later (on CUDA: the process group holds its input to the wait, the entry's
-``wait_after`` or the step's end; ``Liveness.held``) holds its flat input to that point.
+``wait_after`` or the step's end; a bucket of several steps whose first is a
+reduce-scatter: to its second step's ``step_after``; ``Liveness.held``) holds its flat
+input to that point.
 
 Prefetch (passes/prefetch): a reshard issued ahead of its consumer (the entry's
 ``issue_after``) holds its output, a collective buffer, from the point after its issue to
@@ -605,11 +607,22 @@ def held_inputs(plan: Plan) -> dict[int, str]:
     """Graph output position -> the node after which its bucket's flat input is freed
     (``output``: the step's end), of each bucket that holds it past its issue: a
     reduce-scatter waited for later (passes/buckets: the entry's ``overlap`` and
-    ``wait_after``)."""
+    ``wait_after``; a bucket of several steps whose first is a reduce-scatter: waited for
+    where its second is issued, the entry's ``step_after``)."""
     held: dict[int, str] = {}
+    first: dict[int, dict] = {}
     for c in plan.collectives:
-        if "bucket" in c and c["kind"] == "reduce_scatter" and c.get("overlap"):
-            held.update((p, c.get("wait_after", Liveness.OUTPUT)) for p in bucket_site(c)[1])
+        if "bucket" not in c or not c.get("overlap"):
+            continue
+        if "steps" not in c:
+            if c["kind"] == "reduce_scatter":
+                until = c.get("wait_after", Liveness.OUTPUT)
+                held.update((p, until) for p in bucket_site(c)[1])
+        elif c["step"] == 0:
+            first[c["bucket"]] = c
+        elif c["step"] == 1 and first[c["bucket"]]["kind"] == "reduce_scatter":
+            until = c.get("step_after", Liveness.OUTPUT)
+            held.update((p, until) for p in bucket_site(c)[1])
     return held
 
 

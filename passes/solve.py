@@ -70,7 +70,10 @@ Overlap. Where the device overlaps collectives (CUDA), the emitted step runs som
 beside the compute, each on its mesh axis's stream, one after another:
     - a gradient's reduction in a bucket (passes/buckets: one all-reduce, or one
       reduce-scatter into a sharded parameter, on one axis; ``_bucket``), issued as soon as
-      the bucket's gradients are made, beside the rest of the backward;
+      the bucket's gradients are made, beside the rest of the backward (a bucket of
+      reductions over several axes runs its steps each a bucket later, passes/buckets: the
+      solver counts those whole, and the rounds' emitted step, ``assess``, credits what
+      they hide);
     - a reshard of the model's state (passes/prefetch: an edge out of a parameter or a node
       made of parameters alone, passes/order ``ready_nodes``, into a node that reads it
       once, running one collective on one axis), issued while the layer before its
@@ -1118,8 +1121,14 @@ class IlpBuilder:
     # -- reading back ------------------------------------------------------------------------
 
     def value(self, v) -> float:
-        """Variable ``v`` in the solution: the last solve's, or the one ``restore`` set."""
-        return v.solution_value() if self.held is None else self.held[0][v.index()]
+        """Variable ``v`` in the solution: the last solve's, or the one ``restore`` set (0
+        for a variable made after it was held: a later round's memory cuts make a fold
+        group's r at its first use, ``remat_var``, and the held plan checkpoints none of
+        what it did not have)."""
+        if self.held is None:
+            return v.solution_value()
+        values = self.held[0]
+        return values[v.index()] if v.index() < len(values) else 0.0
 
     def objective_value(self) -> tuple[float, float]:
         """The solution's objective and the solver's best bound, in the objective's units."""

@@ -29,6 +29,7 @@ from .placements import (
     parse_placements,
     placement_str,
     reduction,
+    reductions,
 )
 from .plan import PLAN_FORMAT, STATS_ORDER, NodeChoice, Plan
 from .precision import MixedPrecision, cast_parameters
@@ -79,4 +80,5 @@ __all__ = [
     "parse_placements",
     "placement_str",
     "reduction",
+    "reductions",
 ]

@@ -140,6 +140,30 @@ def reduction(src: Placements, dst: Placements) -> tuple[int, int | None] | None
     return None
 
 
+def reductions(src: Placements, dst: Placements) -> dict[int, int | None] | None:
+    """Mesh axis -> scatter dim (None: all-reduce) where every axis ``src -> dst`` changes
+    goes from a ``Partial`` to ``Replicate`` or to a plain ``Shard(d)``, all of one reduce
+    op: a gradient's reduction over one axis or several (``reduction`` is the one-axis
+    case), which passes/buckets may bucket. Else None."""
+    changed = [i for i, (a, b) in enumerate(zip(src, dst)) if a != b]
+    if not changed:
+        return None
+    out: dict[int, int | None] = {}
+    ops = set()
+    for i in changed:
+        p, q = src[i], dst[i]
+        if not isinstance(p, Partial):
+            return None
+        ops.add(p.reduce_op)
+        if isinstance(q, Replicate):
+            out[i] = None
+        elif type(q) is Shard:
+            out[i] = q.dim
+        else:
+            return None
+    return out if len(ops) == 1 else None
+
+
 def contiguous_stride(shape) -> tuple[int, ...]:
     """The strides of a contiguous tensor of ``shape``."""
     stride, acc = [], 1

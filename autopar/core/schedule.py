@@ -22,7 +22,12 @@ communication, from the plan's per-node costs and predicted collectives:
       the order issued; where the device overlaps collectives (``plan.stats
       ["overlaps_collectives"]``, passes/buckets: CUDA) those of different axes run beside
       each other (each axis is its own process group, with its own NCCL stream and, across
-      nodes, its own links); on gloo, one at a time.
+      nodes, its own links); on gloo, one at a time;
+    - the collectives of one edge run one after another, in the plan's order, whatever
+      their axes: each takes the one before's output (DTensor's reduction over one axis and
+      then the next, or a hierarchical reduction's RS(inner) -> AR(outer) -> AG(inner),
+      cost_models/comm), so the edge takes the sum of their times, as the solver prices it.
+      A node's own exchanges (``n->n``) are drawn from its start, each on its axis.
 
 Where the profile prices the host's fixed time per step (``plan.cost["runtime_s"]``:
 the CPU's runtime boundary, passes/solve), the compute stream starts after it.
@@ -38,8 +43,10 @@ Two issue rules give two schedules:
       collectives (the entry's ``overlap``: CUDA) the compute stream runs on and the
       bucket is waited for at the end, or after the point its ``wait_after`` names (a
       reduce-scatter bucket, where the next on its axis is issued: the compute stream
-      waits there for it to end); else (gloo) the compute stream waits for it there.
-      Nothing else overlaps.
+      waits there for it to end); a bucket of several steps issues its step i (i >= 1)
+      after the point its ``step_after`` names, where the compute stream waits for step
+      i - 1 (none: at the backward's end); else (gloo) the compute stream waits for each
+      step where the bucket is issued. Nothing else overlaps.
     - ``overlap=True``: every collective is issued as soon as its input is made (a reshard
       when ``src`` ends, a gradient reduction when its gradient does), as a prefetching,
       DDP-style runtime would. Its length shows what overlap the plan leaves room for.
@@ -150,6 +157,7 @@ def schedule(plan: Plan, *, overlap: bool = False) -> list[Span]:
     inside: dict[str, list[dict]] = defaultdict(list)  # a node's own, in its cost_s
     waited: set[int] = set()  # a bucket the compute stream waits for where it is issued
     wait_at: dict[str, list[dict]] = defaultdict(list)  # buckets waited for after a point
+    chained: dict[int, dict] = {}  # a bucket of several steps -> its step seen last
     for c in plan.collectives:
         src, dst = edge_ends(c["edge"])
         if src == dst:
@@ -157,7 +165,15 @@ def schedule(plan: Plan, *, overlap: bool = False) -> list[Span]:
             continue
         if purpose(c) == "gradient reduction":
             if "bucket" in c and src in position:  # issued after its last gradient
-                after[src].append(c)
+                point = src
+                if c.get("step", 0) > 0 and c.get("overlap") and not overlap:
+                    point = c.get("step_after", "")  # the step before waited for there
+                    if point not in position:
+                        grads.append(c)  # at the backward's end
+                        continue
+                    wait_at[point].append(chained[c["bucket"]])
+                after[point].append(c)
+                chained[c["bucket"]] = c
                 if not c.get("overlap") and not overlap:
                     waited.add(id(c))
                 elif "wait_after" in c and not overlap:
@@ -180,15 +196,21 @@ def schedule(plan: Plan, *, overlap: bool = False) -> list[Span]:
     ends: dict[int, float] = {}  # id(collective) -> its end
     comm_clock: dict[str, float] = defaultdict(float)  # per mesh axis (gloo: one)
     streams = bool(plan.stats.get("overlaps_collectives"))
+    edge_clock: dict[str, float] = defaultdict(float)  # where an edge's last one ends
 
     def issue(cs: list[dict], at: float) -> None:
         for c in cs:
             if id(c) in ends:
                 continue
             axis = c.get("axis", "") if streams else ""
-            span = _comm_span(c, max(comm_clock[axis], at))
+            src, dst = edge_ends(c["edge"])
+            chained = src != dst  # a node's own exchanges run beside it (docstring)
+            start = max(comm_clock[axis], at, edge_clock[c["edge"]] if chained else 0.0)
+            span = _comm_span(c, start)
             comm.append(span)
             comm_clock[axis] = ends[id(c)] = span.end_s
+            if chained:
+                edge_clock[c["edge"]] = span.end_s
 
     if overlap:  # a reshard whose input no point makes is ready at the step's start
         issued_later = {id(c) for c in _flat(after)}

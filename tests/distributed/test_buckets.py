@@ -251,33 +251,51 @@ def test_buckets_run_as_planned_and_match_one_device(strategy, overlap):
         assert all(w > r0["last_kernel"] for w in r0["waits"][-len(buckets) :])
 
 
+# (constraints, the steps of its buckets over two axes): data parallelism over both axes,
+# each gradient summed over both and reduced hierarchically where the cost model prices it
+# faster (cost_models/comm): reduce-scattered over tp, the half all-reduced over dp, then
+# all-gathered over tp; and FSDP over dp with Megatron's sequence parallelism over tp, a
+# norm's weight reduce-scattered over dp and then all-reduced over tp
+TWO_AXES = {
+    "dp-both": lambda model, mesh: experts.dp(mesh, ["dp", "tp"]),
+    "fsdp-sp": lambda model, mesh: experts.megatron(
+        model, mesh, tp="tp", dp="dp", fsdp=True, sequence_parallel=True
+    ),
+}
+TWO_AXES_STEPS = {
+    "dp-both": [("reduce_scatter", "tp"), ("all_reduce", "dp"), ("all_gather", "tp")],
+    "fsdp-sp": [("reduce_scatter", "dp"), ("all_reduce", "tp")],
+}
+
+
 @pytest.mark.distributed
-def test_gradients_summed_over_two_axes_reduce_hierarchically():
-    # data parallelism over both axes of a (2, 2) mesh: each gradient is summed over both.
-    # Where the cost model prices it faster (cost_models/comm), the plan reduce-scatters it
-    # over tp, all-reduces the half over dp and all-gathers it over tp, and the step runs
-    # exactly that, with the single-device result
+@pytest.mark.parametrize("strategy", sorted(TWO_AXES))
+def test_gradients_reduced_over_two_axes_run_in_buckets(strategy):
+    # each bucket of gradients reduced over both axes of a (2, 2) mesh runs its steps on one
+    # flat tensor (passes/buckets), and the step runs exactly the plan's collectives, with
+    # the single-device result
     mesh = autopar.Mesh((2, 2), ("dp", "tp"), device="cpu")
     torch.manual_seed(0)
     model, inputs, loss_fn, targets = build_example("gpt", batch=8)
     model = model.to(torch.float64)
-    plan = autopar.evaluate(
+    plan = autopar.plan(
         model,
         mesh,
         tuple(_cast(t, torch.float64) for t in inputs),
-        experts.dp(mesh, ["dp", "tp"]),
         loss_fn=loss_fn,
         example_targets=targets,
+        constraints=TWO_AXES[strategy](model, mesh),
+        bucket_mb=BUCKET_MB,
     )
-    per_edge: dict[str, list[tuple[str, str]]] = {}
+    steps: dict[int, list[tuple[str, str]]] = {}
     for c in plan.collectives:
-        per_edge.setdefault(c["edge"], []).append((c["kind"], c["axis"]))
-    tiered = [e for e, cs in per_edge.items() if len(cs) == 3]
-    assert len(tiered) >= len(plan.params) // 2, per_edge
-    assert all(
-        per_edge[e] == [("reduce_scatter", "tp"), ("all_reduce", "dp"), ("all_gather", "tp")]
-        for e in tiered
-    )
+        if "bucket" in c:
+            steps.setdefault(c["bucket"], []).append((c["kind"], c["axis"]))
+    chained = [k for k, s in steps.items() if s == TWO_AXES_STEPS[strategy]]
+    assert len(chained) >= (2 if strategy == "dp-both" else 1), steps
+    if strategy == "dp-both":  # every gradient, none left to the graph's end
+        assert not [c for c in plan.collectives if "->output[" in c["edge"] and "bucket" not in c]
+        assert plan.stats["bucketed_reductions"] == len(plan.params)
     reports = verify("gpt", (2, 2), ("dp", "tp"), plan_json=plan.to_json(timings=True), batch=8)
     for r in reports:
         assert r.grad_rel_err <= 1e-10, (r.grad_rel_err, r.worst_grad)

@@ -5,14 +5,20 @@ on gloo. DP plans (``experts.dp``) of a GPT on the meta device, costed by ``eval
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import pytest
 import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 import autopar
 from autopar import experts
+from autopar.core import reductions
+from autopar.core.schedule import COMM, COMPUTE, bucket_site, schedule, step_length
 from autopar.models import GPT, GPTConfig, cross_entropy_loss
+from autopar.passes.buckets import chain
+from autopar.passes.memory import held_inputs
 
 
 def _dp_plan(cfg: GPTConfig, batch: int, mesh: autopar.Mesh) -> autopar.Plan:
@@ -34,6 +40,10 @@ def _fsdp_plan(cfg: GPTConfig, batch: int, mesh: autopar.Mesh, skip=()) -> autop
         return autopar.plan(model, mesh, (tokens,), loss_fn=cross_entropy_loss,
                             example_targets=(tokens,), constraints=experts.fsdp(mesh),
                             skip=skip)  # fmt: skip
+
+
+def _axis_of(span) -> str:
+    return span.what.partition("@")[2].partition(",")[0]
 
 
 def _buckets_s(plan: autopar.Plan) -> float:
@@ -141,3 +151,80 @@ def test_the_search_shards_the_weights_where_their_gathers_and_scatters_hide():
     assert plan.cost["total_s"] == pytest.approx(min(rounds), rel=1e-9)
     assert plan.cost["total_s"] < 0.85 * ddp.cost["total_s"]
     assert plan.cost["total_s"] <= fsdp.cost["total_s"]
+
+
+def test_buckets_over_two_axes_run_each_step_a_bucket_later_beside_the_backward():
+    """Data parallelism over both axes of a (2, 4) H100 mesh: each gradient is summed over
+    both, and its bucket runs two or three collectives, each on the one before's output
+    (passes/buckets). The graph has no streams to chain them on: step i is issued where the
+    i-th bucket after it is, the step before waited for there, so the backward runs on
+    while each step runs; and the step is shorter than with those steps left to its end."""
+    mesh = autopar.Mesh((2, 4), ("dp", "tp"), device="h100", ranks_per_node=4)
+    with torch.device("meta"):
+        model = GPT(HEAVY)
+    tokens = torch.zeros(16, HEAVY.seq, dtype=torch.long, device="meta")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = autopar.evaluate(model, mesh, (tokens,), experts.dp(mesh, ["dp", "tp"]),
+                                loss_fn=cross_entropy_loss, example_targets=(tokens,))  # fmt: skip
+    steps: dict[int, list[dict]] = {}
+    for c in plan.collectives:
+        if "bucket" in c:
+            steps.setdefault(c["bucket"], []).append(c)
+    assert len(steps) >= 3 and all(len(s) >= 2 for s in steps.values())
+    assert plan.stats["bucketed_reductions"] == len(plan.params)
+    issue = {k: s[0]["edge"].partition("->")[0] for k, s in steps.items()}
+    order = [n for n in plan.memory["step"]["timeline"]["nodes"]]
+    points = sorted(dict.fromkeys(issue.values()), key=order.index)
+    for k, s in steps.items():
+        later = points[points.index(issue[k]) + 1 :]
+        for i, c in enumerate(s[1:], start=1):
+            assert c.get("step_after") == (later[i - 1] if i <= len(later) else None), c
+    spans = schedule(plan)
+    comm = {(s.name, _axis_of(s), s.what.partition(",")[0]): s for s in spans if s.stream == COMM}
+    compute = {s.name: s for s in spans if s.stream == COMPUTE}
+    chained = 0
+    for s in steps.values():
+        for a, b in zip(s, s[1:]):
+            sa = comm[(a["edge"], a["axis"], f"{a['kind']}@{a['axis']}")]
+            sb = comm[(b["edge"], b["axis"], f"{b['kind']}@{b['axis']}")]
+            assert sb.start_s >= sa.end_s - 1e-15
+            if "step_after" in b:  # issued after that node, which the step before ends by
+                chained += 1
+                at = compute[b["step_after"]]
+                assert sb.start_s >= at.end_s - 1e-15
+                nxt = order[order.index(b["step_after"]) + 1]  # waits for the step before
+                assert nxt == "output" or compute[nxt].start_s >= sa.end_s - 1e-15
+    assert chained >= 2
+    # a first step that reduce-scatters holds its input until its wait, at the second's issue
+    held = held_inputs(plan)
+    for s in steps.values():
+        if s[0]["kind"] == "reduce_scatter":
+            for p in bucket_site(s[0])[1]:
+                assert held[p] == s[1].get("step_after", "output")
+    assert held
+    at_end = dataclasses.replace(plan, collectives=tuple(
+        {k: v for k, v in c.items() if k != "step_after"} for c in plan.collectives
+    ))  # fmt: skip
+    assert plan.emitted_step_s() < step_length(schedule(at_end)) - 1e-6
+
+
+def test_which_reductions_over_several_axes_a_bucket_runs():
+    """``core.reductions``: each changed axis a Partial into Replicate or a plain Shard, of
+    one reduce op; ``buckets.chain``: the listed collectives one per axis, of the kind
+    each needs (direct), or a hierarchical reduction's three steps."""
+    P, R, S = Partial(), Replicate(), Shard
+    assert reductions((P, P), (R, S(0))) == {0: None, 1: 0}
+    assert reductions((P, S(1)), (S(0), S(1))) == {0: 0}
+    assert reductions((S(0), P), (R, R)) is None  # a gather on dp
+    assert reductions((P, Partial("avg")), (R, R)) is None  # two reduce ops
+    assert reductions((P, P), (P, P)) is None
+    rs, ar, ag = "reduce_scatter", "all_reduce", "all_gather"
+    both = {"dp": None, "tp": None}
+    assert chain([(rs, "tp"), (ar, "dp"), (ag, "tp")], both) == "hierarchical"
+    assert chain([(ar, "dp"), (ar, "tp")], both) == "direct"
+    assert chain([(rs, "dp"), (ar, "tp")], {"dp": 0, "tp": None}) == "direct"
+    assert chain([(ar, "dp"), (ar, "tp")], {"dp": 0, "tp": None}) is None  # dp must scatter
+    assert chain([(ar, "dp")], both) is None  # tp left unreduced
+    assert chain([(rs, "tp"), (ar, "dp"), (ag, "tp")], {"dp": None, "tp": 0}) is None
+    assert chain([(rs, "dp"), (ar, "dp")], {"dp": None}) is None

@@ -11,6 +11,7 @@ import pytest
 
 from autopar.cli import main
 from autopar.core.plan import Plan
+from autopar.core.schedule import purpose
 from autopar.report import (
     COMM,
     COMPUTE,
@@ -100,6 +101,19 @@ def test_schedule_keeps_every_dependency_and_one_thing_per_stream(name, overlap)
         )  # fmt: skip
         for a, b in zip(own, own[1:]):
             assert b.start_s >= a.end_s - 1e-15, (a, b)
+    # the collectives of one edge take one another's output: one after the other, in
+    # the plan's order, though on different axes (a node's own exchanges aside)
+    chains: dict[str, list] = {}
+    for s in spans:
+        if s.stream == COMM and _ends(s.name)[0] != _ends(s.name)[1]:
+            chains.setdefault(s.name, []).append(s)
+    for edge, own in chains.items():
+        assert [s.what.partition(",")[0] for s in own] == [
+            f"{c['kind']}@{c['axis']}" for c in plan.collectives if c["edge"] == edge
+        ] or overlap  # (the overlapped schedule issues a reshard's when its input ends)
+        ordered = sorted(own, key=lambda s: s.start_s)
+        for a, b in zip(ordered, ordered[1:]):
+            assert b.start_s >= a.end_s - 1e-15, (a, b)
     seen_recomputed = 0
     for s in spans:
         if s.stream != COMM:
@@ -120,6 +134,28 @@ def test_issuing_collectives_when_ready_overlaps_and_never_lengthens(name):
     emitted, overlapped = step_length(schedule(plan)), step_length(schedule(plan, overlap=True))
     compute = sum(s.dur_s for s in schedule(plan) if s.stream == COMPUTE)
     assert compute <= overlapped < emitted
+
+
+def test_an_edges_collectives_on_two_axes_run_one_after_the_other():
+    """A reshard over two axes (DTensor's all-reduce on one and then the other, or a
+    hierarchical RS -> AR -> AG) is a chain: on CUDA, where each axis has its own stream,
+    the second still waits for the first's output, and the consumer for the last."""
+    plan = _golden("hf-gpt2-2x2-h100-mem0.5")
+    assert plan.stats["overlaps_collectives"]
+    first = next(c for c in plan.collectives if purpose(c) == "reshard" and "bucket" not in c)
+    other = next(a for a in plan.mesh.axis_names if a != first["axis"])
+    second = dict(first, axis=other, kind="all_gather")
+    listed = list(plan.collectives)
+    listed.insert(listed.index(first) + 1, second)
+    chained = dataclasses.replace(plan, collectives=tuple(listed))
+    spans = schedule(chained)
+    a, b = (next(s for s in spans if s.stream == COMM and s.name == first["edge"]
+                 and _axis(s) == axis) for axis in (first["axis"], other))  # fmt: skip
+    assert b.start_s >= a.end_s - 1e-15 and a.dur_s > 0
+    dst = _ends(first["edge"])[1]
+    consumer = next(s for s in spans if s.stream == COMPUTE and s.name == dst)
+    assert consumer.start_s >= b.end_s - 1e-15
+    assert step_length(spans) >= step_length(schedule(plan)) + b.dur_s - 1e-12
 
 
 def test_a_plan_without_collectives_schedules_its_compute_alone():
