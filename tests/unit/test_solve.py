@@ -235,6 +235,13 @@ def test_a_held_solution_is_read_after_a_later_solve():
     assert ilp.choice() == first and ilp.objective_value() == (value, bound)
     solve_pass._run(ilp, 60, 0.0)  # a solve reads its own solution again
     assert ilp.held is None and ilp.choice()["h"] != first["h"]
+    # a variable a later round made (memory cuts make a fold group's r at its first use)
+    # is not in the held solution: 0 there, as the plan held has none of it
+    later = ilp.lp.BoolVar("r_later")
+    ilp.lp.Add(later == 1)
+    assert solve_pass._solved(solve_pass._run(ilp, 60, 0.0)) and ilp.value(later) == 1
+    ilp.restore(held)
+    assert ilp.value(later) == 0.0 and ilp.choice() == first
 
 
 @pytest.fixture(scope="module")
