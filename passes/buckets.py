@@ -120,14 +120,6 @@ class Bucket:
     at: int = 0  # the issue node's position in the step's order
     numel: int = 0  # of the flat input, unpadded
 
-    @property
-    def kind(self) -> str:
-        return self.steps[0][0]
-
-    @property
-    def axis(self) -> str:
-        return self.steps[0][1]
-
 
 def chain(steps: Sequence[tuple[str, str]], scattered: dict[str, int | None]) -> str | None:
     """``direct`` or ``hierarchical`` where a gradient's listed collectives (``steps``:
