@@ -124,20 +124,13 @@ def reduction(src: Placements, dst: Placements) -> tuple[int, int | None] | None
     """``(axis, scatter dim)`` where ``src -> dst`` is one reduction on one mesh axis, the
     other axes unchanged: ``Partial -> Replicate`` there is one all-reduce (``(axis,
     None)``), ``Partial -> Shard(d)`` one reduce-scatter along ``d`` (``(axis, d)``; not a
-    ``_StridedShard``, which is no plain scatter). Else None. A gradient passes/buckets may
-    bucket."""
-    changed = [i for i, (a, b) in enumerate(zip(src, dst)) if a != b]
-    if len(changed) != 1:
+    ``_StridedShard``, which is no plain scatter). Else None: ``reductions`` on one axis,
+    the one-collective reduction the solver counts as hiding in a bucket."""
+    found = reductions(src, dst)
+    if found is None or len(found) != 1:
         return None
-    (i,) = changed
-    if not isinstance(src[i], Partial):
-        return None
-    if isinstance(dst[i], Replicate):
-        return i, None
-    target = dst[i]
-    if type(target) is Shard:
-        return i, target.dim
-    return None
+    ((axis, dim),) = found.items()
+    return axis, dim
 
 
 def reductions(src: Placements, dst: Placements) -> dict[int, int | None] | None:
