@@ -40,7 +40,9 @@ plan's order, passes/order), and
     5. a cross-entropy op with its classes split (passes/vocab) runs on this rank's classes,
        from its first class (``core.local_offset``; ``_class_split``): the softmax's max and
        sum, and its backward's sum, all-reduced over the classes' axis and waited for at
-       once; DTensor's dispatch has no rule for these strategies.
+       once; and a ``mean`` loss with its rows split runs on this rank's rows, its count of
+       targets all-reduced over the rows' axes (passes/vocab, "Rows"); DTensor's dispatch
+       has no rule for these strategies.
 
 At the graph outputs the loss is redistributed to Replicate, each gradient to its
 parameter's placement. Nothing is done when the plan replicates everything (the local graph
@@ -551,25 +553,27 @@ class _Localizer(torch.fx.Interpreter):
             # placement of the tensor it takes its dtype and device from
             size = local_shape(tuple(node.meta["val"].shape), out_ps[0], self.dmesh.shape)
             return target(args[0], list(size), *args[2:], **kwargs)
-        split = vocab.split_axis(
-            target, args, [ps for ps, _ in dst_all], [tuple(v.shape) for _, v in dst_all]
-        )
-        if split is not None:
-            return self._class_split(target, args, dst_all, split)
+        in_ps, in_shapes = [ps for ps, _ in dst_all], [tuple(v.shape) for _, v in dst_all]
+        split = vocab.split_axis(target, args, in_ps, in_shapes)
+        rows = vocab.row_axes(target, args, in_ps, in_shapes)
+        if split is not None or rows:
+            return self._class_split(target, args, dst_all, split, rows)
         at = rules.ATTENTION_Q.get(target)
         if at is not None and rules.sequence_axes(dst_all[at][0]):
             return self._rows_attention(target, args, dst_all)
         return self._run_op(node, target, args, kwargs, in_nodes, dst_all, out_ps)
 
-    def _class_split(self, target, args, placed, split):
-        """A cross-entropy op on this rank's classes (module docstring, 5)."""
-        axis, cdim, pos = split
-        ps, val = placed[pos]
-        coordinate = self.dmesh.get_coordinate()
-        offset = local_offset(tuple(val.shape), ps, self.dmesh.shape, coordinate)[cdim]
-        group = self.dmesh.get_group(axis).group_name
-        out_ps = self._ps(self._choice(self._node.name).out[0])
-        out = vocab.run_local(target, args, offset, group, self.dmesh.shape[axis], out_ps[axis])
+    def _class_split(self, target, args, placed, split, rows):
+        """A cross-entropy op on this rank's classes and rows (module docstring, 5)."""
+        offset, group = 0, ""
+        if split is not None:
+            axis, cdim, pos = split
+            ps, val = placed[pos]
+            coordinate = self.dmesh.get_coordinate()
+            offset = local_offset(tuple(val.shape), ps, self.dmesh.shape, coordinate)[cdim]
+            group = self.dmesh.get_group(axis).group_name
+        counts = tuple(self.dmesh.get_group(a).group_name for a in rows)
+        out = vocab.run_local(target, args, offset, group, counts)
         metas = self._node.meta["val"]
         if isinstance(out, tuple):
             return tuple(ops.in_layout_of(t, v) for t, v in zip(out, metas))

@@ -47,7 +47,8 @@ batch input: the time to read its local part, bytes / memory bandwidth)
 (``cost_models.compute.compute_time``, in ``_node_costs``), plus the collectives the op runs
 inside itself (a load-balanced, rows-split attention's exchanges: passes/rules,
 ``balance_exchanges``; a class-split cross-entropy's all-reduces of its rows:
-passes/vocab, ``reductions``; ``_inner_collectives``). A ring attention (passes/rules,
+passes/vocab, ``reductions``; a row-split mean loss's all-reduce of its count,
+``count_reductions``; ``_inner_collectives``). A ring attention (passes/rules,
 ``ring``) computes on every key in turn, so its kernels are priced on the keys gathered
 (``rules.keys_gathered``), and its shifts overlap them: with c that time and m_i the
 shifts in flight during step i of n (``rules.ring_steps``),
@@ -412,19 +413,21 @@ def _inner_collectives(space: StrategySpace, name: str, s: Strategy) -> list[Col
 
 
 def _class_reductions(space: StrategySpace, name: str, s: Strategy) -> list[Collective]:
-    """The all-reduces of a cross-entropy op that splits its classes (passes/vocab)."""
+    """The all-reduces of a cross-entropy op that splits its classes, or a ``mean`` loss's
+    rows (its count of targets) (passes/vocab)."""
     target = space.targets[name]
     if target not in vocab.CLASS_OPS:
         return []
     args, _ = space.calls[name]
     in_shapes = [space.tensor(src, i)[0] for src, i in space.in_sources[name]]
+    out = vocab.count_reductions(target, args, s.ins, in_shapes, space.mesh.shape)
     split = vocab.split_axis(target, args, s.ins, in_shapes)
     if split is None:
-        return []
+        return out
     axis, cdim, pos = split
     shape, dtype = space.tensor(*space.in_sources[name][pos])
     local = local_shape(shape, s.ins[pos], space.mesh.shape)
-    return vocab.reductions(target, local, cdim, dtype, axis, space.mesh.shape[axis])
+    return out + vocab.reductions(target, local, cdim, dtype, axis, space.mesh.shape[axis])
 
 
 def _balance_exchanges(space: StrategySpace, name: str, s: Strategy) -> list[Collective]:

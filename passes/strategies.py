@@ -27,7 +27,10 @@ Where the strategies come from, per node kind:
         (``rules.split_once``).
     cross-entropy (``_log_softmax``, ``nll_loss_forward`` and their backward): also its
         classes split over one mesh axis where DTensor's strategy replicates everything
-        (passes/vocab, ``class_split``): the loss of a column-parallel output head.
+        (passes/vocab, ``class_split``): the loss of a column-parallel output head; and a
+        ``mean`` loss's rows split over any axes, its count of targets reduced over them
+        (``row_split``), where DTensor's rule averages the ranks' means, which is not the
+        loss where they ignore different counts of targets (``exact`` drops that).
     operator with no tensor input (``arange``, ``full``, ...): replicated.
     every operator: also all-Replicate where its rule does not offer it (the op as on one
         device), so that the all-replicated plan is always feasible: the ILP never lacks a
@@ -399,7 +402,11 @@ class _SpaceBuilder:
             strats = [s for s in strats if rules.split_once(node.target, s.ins)]
             if node.target in vocab.CLASS_OPS:
                 shapes = [self.space.tensor(a.name)[0] for a in in_nodes]
-                strats += vocab.class_split(node.target, node.args, shapes, strats, self.mesh.shape)
+                args, mesh_shape = node.args, self.mesh.shape
+                strats = vocab.exact(node.target, args, strats)
+                rows = vocab.row_split(node.target, args, shapes, mesh_shape)
+                strats = list(dict.fromkeys(strats + rows))
+                strats += vocab.class_split(node.target, args, shapes, strats, mesh_shape)
         sp.strategies[name] = self.done[key] = strats
 
     def _call_template(self, node: torch.fx.Node) -> list[torch.fx.Node]:

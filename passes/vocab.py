@@ -1,16 +1,18 @@
-"""Vocabulary-parallel cross-entropy: the loss over logits split along their classes.
+"""Cross-entropy split across ranks: along its classes (vocabulary-parallel), and a mean
+loss along its rows.
 
-Takes nothing at import. ``class_split`` gives passes/strategies the strategies that split
-the class dim of the four ops a cross-entropy traces into; ``reductions`` gives passes/solve
-the collectives such a strategy runs inside its op; ``run_local`` gives passes/codegen the op
-on this rank's classes. DTensor has no rule that splits a softmax along the dim it
-normalises (each rank would normalise its own classes alone), so without this the logits of
-a column-parallel output head are all-gathered before the loss: [N, V] values, where the
+Takes nothing at import. ``class_split`` and ``row_split`` give passes/strategies the
+strategies that split the four ops a cross-entropy traces into, and ``exact`` drops those
+of DTensor's that are not the op; ``reductions`` and ``count_reductions`` give passes/solve
+the collectives such a strategy runs inside its op; ``run_local`` gives passes/codegen the
+op on this rank's classes and rows. DTensor has no rule that splits a softmax along the dim
+it normalises (each rank would normalise its own classes alone), so without this the logits
+of a column-parallel output head are all-gathered before the loss: [N, V] values, where the
 split loss reduces [N] of them.
 
-With the classes of ``x`` [N, C] split over one mesh axis of n ranks, rank c holding the run
-of classes [o_c, o_c + C/n) (``local_offset``), and every other placement as DTensor's rule
-for the op gives it:
+Classes. With the classes of ``x`` [N, C] split over one mesh axis of n ranks, rank c
+holding the run of classes [o_c, o_c + C/n) (``local_offset``), and every other placement
+as DTensor's rule for the op (or ``row_split``) gives it:
 
     _log_softmax(x, dim)                              x, out: Shard(dim)
         m = max over the axis of (max over my classes of x)        (all-reduce max, [N])
@@ -23,33 +25,72 @@ for the op gives it:
                                                       loss: Partial(sum)
         each rank picks -lp[i, t_i] where t_i is one of its classes, else 0: the sum over
         the axis is the whole loss (``mean`` divides by the count of targets other than
-        ``ignore``, which every rank computes alike from the whole targets: still a sum).
-        Where another axis leaves the loss Partial(avg) (the batch split: DTensor's rule
-        averages the ranks' means), the loss is Partial(avg) here too, each rank's share
-        times n (DTensor mixes no two partial kinds in one tensor)
+        ``ignore``, the same on every rank of the axis: still a sum)
     nll_loss_backward(g, lp, t, None, ...)            g, t, total: Replicate;
                                                       lp, grad_lp: Shard(class)
         grad_lp[i, t_i - o_c] = -g_i (/ total for ``mean``) where t_i is one of my classes;
         no collective
 
-The reductions run in float32 at least (``acc_dtype``: float64 stays float64), over rows of
-[N] values: 8 bytes a row forward and 4 backward, where the gather of float32 logits moves
-4 C bytes a row. Each is waited for at once (the op needs its result), so passes/solve adds
-them to the op's time (``reductions``) and core/schedule draws them inside it.
+Rows. A ``mean`` loss over rows split across the ranks of some axes (the batch split: lp
+and t ``Shard(0)`` there) is not the mean of the ranks' means where they ignore different
+counts of targets (a padded batch): with s_r the sum of rank r's picked -lp[i, t_i] and k_r
+its count of targets other than ``ignore``, the loss is (sum_r s_r) / (sum_r k_r), where
+the ranks' means average to (1/n) sum_r s_r / k_r. So (``row_split``):
+
+    nll_loss_forward(lp, t, None, mean, ignore)       lp, t: Shard(0) on the row axes;
+                                                      loss: Partial(sum) there; total:
+                                                      Replicate
+        K = sum over the row axes of k_r              (all-reduce sum of one count per
+                                                      row axis, ``count_reductions``)
+        loss_r = s_r / K: the sum over the axes is the whole loss, and total = K is the
+        whole op's
+    nll_loss_backward(g, lp, t, None, mean, ignore, K)    g, K: Replicate; lp, t, grad_lp:
+                                                      Shard(0) on the row axes
+        grad_lp[i, t_i] = -g / K on each rank's rows: the op on the local rows, exact; no
+        collective
+
+DTensor's rule for the forward (torch 2.13) offers the batch split with the loss
+``Partial(avg)``, the ranks' means averaged, which is the loss only where every rank
+ignores as many targets; ``exact`` drops it (torch 2.14 offers none for ``mean``, which
+without ``row_split`` replicates the loss and gathers the logits of a data-parallel step).
+``sum`` and ``none`` keep DTensor's rules, which are exact. With the rows and the classes
+both split (on different axes) the loss is ``Partial(sum)`` on each and the count is
+reduced over the row axes alone.
+
+The reductions of the softmax run in float32 at least (``acc_dtype``: float64 stays
+float64), over rows of [N] values: 8 bytes a row forward and 4 backward, where the gather
+of float32 logits moves 4 C bytes a row; the count is one int64. Each is waited for at once
+(the op needs its result), so passes/solve adds them to the op's time
+(``_inner_collectives``) and core/schedule draws them inside it.
 
 A class weight (``weight`` not None) is not split: those calls keep DTensor's strategies
 only. The classes are split over one mesh axis at most, and only where the axis's size
-divides them (``core.placements.divides``): a vocabulary of 50257 is not split.
+divides them (``core.placements.divides``): a vocabulary of 50257 is not split; the rows
+over any set of axes whose sizes divide them.
 """
 
 from __future__ import annotations
+
+import itertools
+import math
 
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autopar.core import Collective, Strategy, divides
 
-__all__ = ["CLASS_OPS", "acc_dtype", "class_split", "reductions", "run_local", "split_axis"]
+__all__ = [
+    "CLASS_OPS",
+    "acc_dtype",
+    "class_split",
+    "count_reductions",
+    "exact",
+    "reductions",
+    "row_axes",
+    "row_split",
+    "run_local",
+    "split_axis",
+]
 
 _aten = torch.ops.aten
 _LOG_SOFTMAX = _aten._log_softmax.default
@@ -114,22 +155,80 @@ def class_split(target, args, in_shapes, strategies, mesh_shape) -> list[Strateg
             if not all(divides(ins[j], tuple(in_shapes[j]), mesh_shape) for j in split):
                 continue
             new_out = tuple(
-                None if ps is None else at(ps, _placement(kind, ps, cdim))
+                None if ps is None else at(ps, _placement(kind, cdim))
                 for ps, kind in zip(s.out, outs)
             )
             out.append(Strategy(out=new_out, ins=ins))
     return list(dict.fromkeys(out))
 
 
-def _placement(kind: str, others, cdim: int):
-    """An output's placement on the classes' axis: ``Partial("avg")`` where another axis
-    averages it (DTensor does not mix partial kinds in one tensor: ``run_local`` scales
-    the rank's share by the axis's size), else ``Partial("sum")``."""
+def _placement(kind: str, cdim: int):
+    """An output's placement on the classes' axis."""
     if kind == "shard":
         return Shard(cdim)
     if kind == "replicate":
         return Replicate()
-    return Partial("avg") if Partial("avg") in others else Partial("sum")
+    return Partial("sum")
+
+
+def _mean_rows(target, args) -> int | None:
+    """The position, among the tensor inputs, of the log-probabilities of a ``mean`` NLL
+    (forward or backward) with no class weight; None for any other call."""
+    if target == _NLL:
+        weight, reduction, pos = args[2], args[3], 0
+    elif target == _NLL_BACKWARD:
+        weight, reduction, pos = args[3], args[4], 1
+    else:
+        return None
+    return pos if weight is None and reduction == _MEAN else None
+
+
+def exact(target, args, strategies: list[Strategy]) -> list[Strategy]:
+    """``strategies`` less those of a ``mean`` NLL that average the ranks' means
+    (``Partial(avg)``: DTensor's batch split, module docstring "Rows")."""
+    if _mean_rows(target, args) is None or target != _NLL:
+        return strategies
+    return [s for s in strategies if Partial("avg") not in (s.out[0] or ())]
+
+
+def row_split(target, args, in_shapes, mesh_shape) -> list[Strategy]:
+    """The strategies of a ``mean`` NLL, forward or backward, with its rows split over each
+    set of mesh axes whose sizes divide them (module docstring, "Rows"); ``in_shapes`` the
+    global shapes of the tensor inputs."""
+    pos = _mean_rows(target, args)
+    if pos is None or len(in_shapes[pos]) != 2:
+        return []
+    rep = (Replicate(),) * len(mesh_shape)
+    axes = [a for a, size in enumerate(mesh_shape) if size > 1]
+    out: list[Strategy] = []
+    for k in range(1, len(axes) + 1):
+        for chosen in itertools.combinations(axes, k):
+            rows = tuple(Shard(0) if a in chosen else Replicate() for a in range(len(rep)))
+            if in_shapes[pos][0] % math.prod(mesh_shape[a] for a in chosen):
+                continue
+            if target == _NLL:
+                loss = tuple(
+                    Partial("sum") if a in chosen else Replicate() for a in range(len(rep))
+                )
+                out.append(Strategy(out=(loss, rep), ins=(rows, rows)))
+            else:
+                out.append(Strategy(out=(rows,), ins=(rep, rows, rows, rep)))
+    return out
+
+
+def row_axes(target, args, ins, in_shapes) -> tuple[int, ...]:
+    """The mesh axes over which a ``mean`` NLL's forward, its tensor inputs of global shapes
+    ``in_shapes`` placed ``ins``, splits its rows: its count is reduced over them (module
+    docstring, "Rows")."""
+    if target != _NLL or _mean_rows(target, args) is None or len(in_shapes[0]) != 2:
+        return ()
+    return tuple(a for a, p in enumerate(ins[0]) if p == Shard(0))
+
+
+def count_reductions(target, args, ins, in_shapes, mesh_shape) -> list[Collective]:
+    """The all-reduces of the count of a row-split ``mean`` NLL: one int64 per row axis."""
+    axes = row_axes(target, args, ins, in_shapes)
+    return [Collective("all_reduce", a, 8, mesh_shape[a]) for a in axes]
 
 
 def split_axis(target, args, ins, in_shapes) -> tuple[int, int, int] | None:
@@ -173,10 +272,11 @@ def _mine(target: torch.Tensor, ignore_index: int, offset: int, classes: int):
     return mine, torch.where(mine, local, 0)
 
 
-def run_local(target, args, offset: int, group: str, ranks: int, out_placement):
-    """One class-split call on this rank's classes (module docstring), ``offset`` its first
-    class, ``group`` the split axis's process group name, ``ranks`` its size,
-    ``out_placement`` the first output's placement there; its local outputs."""
+def run_local(target, args, offset: int = 0, group: str = "", count_groups: tuple = ()):
+    """One split call on this rank's classes and rows (module docstring): ``offset`` its
+    first class and ``group`` the classes' axis's process group name (0 and unused where
+    the classes are whole), ``count_groups`` the process group names of the axes a ``mean``
+    NLL's rows are split over (``row_axes``); its local outputs."""
     if target == _LOG_SOFTMAX:
         x, dim, half_to_float = args
         acc = acc_dtype(x.dtype)
@@ -198,16 +298,17 @@ def run_local(target, args, offset: int, group: str, ranks: int, out_placement):
         mine, idx = _mine(t, ignore_index, offset, lp.shape[cdim])
         picked = lp.gather(cdim, idx.unsqueeze(cdim)).squeeze(cdim)
         result = torch.where(mine, -picked, torch.zeros_like(picked))
-        if out_placement == Partial("avg"):  # the mean over the axis is the sum
-            result = result * ranks
         if reduction == 0 and lp.dim() > 1:
             return result, lp.new_zeros(())
-        total = (t != ignore_index).sum().to(lp)
+        count = (t != ignore_index).sum()
+        for name in count_groups:  # the rows' count, over the axes that split them
+            count = _all_reduce(count, "sum", name)
+        acc = acc_dtype(lp.dtype)
         if reduction == _SUM:
-            result = result.sum()
+            result = result.to(acc).sum().to(lp.dtype)
         elif reduction == _MEAN:
-            result = result.sum() / total
-        return result, total
+            result = (result.to(acc).sum() / count.to(acc)).to(lp.dtype)
+        return result, count.to(lp)
     if target == _NLL_BACKWARD:
         g, lp, t, _, reduction, ignore_index, total = args
         cdim = 1 if lp.dim() == 2 else 0

@@ -1,11 +1,14 @@
-"""Vocabulary-parallel cross-entropy on gloo equals the single-device model in float64.
+"""Cross-entropy split across ranks on gloo equals the single-device model in float64.
 
 The logits of a language model split along the vocabulary: the log-softmax all-reduces each
 row's max and sum over the classes' axis, the NLL picks each target on the rank that holds
 its class, its backward writes the gradient there, and the log-softmax's backward
-all-reduces each row's gradient sum (passes/vocab). Every loss, gradient and parameter after
-3 AdamW steps matches the single-device model, with targets the loss ignores
-(``ignore_index``) among them; every reduction the plan prices is one the step ran.
+all-reduces each row's gradient sum (passes/vocab). The batch split: the mean loss divides
+each rank's sum by the count of targets over every rank (passes/vocab, "Rows"), not the
+ranks' means averaged, which differ where the ranks ignore different counts of targets.
+Every loss, gradient and parameter after 3 AdamW steps matches the single-device model, with
+targets the loss ignores (``ignore_index``) among them, more in one sequence than in the
+other; every reduction the plan prices is one the step ran.
 """
 
 import warnings
@@ -25,18 +28,28 @@ SPLIT = ("_log_softmax", "_log_softmax_backward_data", "nll_loss_forward", "nll_
 
 def wide_head(batch: int = 2):
     """A 2-layer Llama with a vocabulary of 4096, the last 3 targets of each sequence
-    ignored (``ignore_index``, as a padded batch has them)."""
+    ignored (``ignore_index``, as a padded batch has them), and half of the first's."""
     model, inputs, loss_fn, (targets,) = _lm_example(hf_llama, batch, vocab=VOCAB)
     targets[:, -3:] = -100
+    targets[0, : targets.shape[1] // 2] = -100
     return model, inputs, loss_fn, (targets,)
 
 
 EXAMPLE = f"{__file__}:wide_head"
 
 
-def _plan(mesh_shape, axes, constraints=None) -> Plan:
+def odd_head(batch: int = 2):
+    """``wide_head`` with a vocabulary of 4095, which 2 ranks do not split: the loss of a
+    data-parallel plan splits its rows, where the alternative gathers the logits."""
+    model, inputs, loss_fn, (targets,) = _lm_example(hf_llama, batch, vocab=VOCAB - 1)
+    targets[:, -3:] = -100
+    targets[0, : targets.shape[1] // 2] = -100
+    return model, inputs, loss_fn, (targets,)
+
+
+def _plan(mesh_shape, axes, constraints=None, example=EXAMPLE) -> Plan:
     torch.manual_seed(0)
-    model, inputs, loss_fn, targets = build_example(EXAMPLE, batch=2)
+    model, inputs, loss_fn, targets = build_example(example, batch=2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", NoRuleWarning)
         return api.plan(
@@ -64,10 +77,10 @@ def _split_over(plan: Plan, axis: int) -> dict[str, bool]:
     ("mesh_shape", "axes"),
     [
         ((2,), ("tp",)),
-        # the batch over dp beside the classes over tp: the loss averaged over dp (DTensor's
-        # rule for a batch-split mean) is averaged over tp too, each rank's share doubled
+        # the batch over dp beside the classes over tp: the loss a sum over both, each
+        # rank's over the count of both sequences' targets
         # NOTE: slow for CI's half-hour (4 processes, 30 s); tests/unit/test_vocab.py
-        # checks the doubled shares against torch's loss
+        # checks the rows' and the classes' shares against torch's loss
         pytest.param((2, 2), ("dp", "tp"), marks=pytest.mark.slow),
     ],
 )
@@ -78,23 +91,42 @@ def test_vocab_parallel_loss_equals_single_device(mesh_shape, axes):
     # the solver splits the classes of every op of the loss: 2 B S float64 values reduced
     # forward and B S backward, where the log-probabilities' gather moves B S V of them
     assert _split_over(plan, tp) == dict.fromkeys(SPLIT, True), _split_over(plan, tp)
-    if "dp" in axes:  # the batch split over dp, the loss averaged over both axes
-        assert plan.nodes["nll_loss_forward"].out[0] == ("P(avg)", "P(avg)")
     inner = [c for c in plan.collectives if c["edge"].partition("->")[0] in SPLIT]
-    assert [c["edge"] for c in inner] == [
-        "_log_softmax->_log_softmax",
-        "_log_softmax->_log_softmax",
-        "_log_softmax_backward_data->_log_softmax_backward_data",
-    ], inner
-    assert all(c["kind"] == "all_reduce" and c["axis"] == "tp" for c in inner), inner
-    reports = verify(EXAMPLE, mesh_shape, axes, plan_json=plan.to_json(timings=True), batch=2)
+    want = [
+        ("_log_softmax->_log_softmax", "tp"),
+        ("_log_softmax->_log_softmax", "tp"),
+        ("_log_softmax_backward_data->_log_softmax_backward_data", "tp"),
+    ]
+    if "dp" in axes:  # the batch split over dp: the loss a sum over both axes
+        assert plan.nodes["nll_loss_forward"].out[0] == ("P(sum)", "P(sum)")
+        want.append(("nll_loss_forward->nll_loss_forward", "dp"))  # the targets' count
+    assert sorted((c["edge"], c["axis"]) for c in inner) == sorted(want), inner
+    assert all(c["kind"] == "all_reduce" for c in inner), inner
+    _check(plan, verify(EXAMPLE, mesh_shape, axes, plan_json=plan.to_json(timings=True), batch=2))
+
+
+def test_batch_split_mean_loss_counts_every_ranks_targets():
+    """Data parallel: each rank's sum over both sequences' count of targets (the first
+    sequence has 19 ignored, the second 3), all-reduced inside the NLL."""
+    example = f"{__file__}:odd_head"
+    plan = _plan((2,), ("dp",), {"input:*": "S(0)", "*": "R"}, example)
+    nll = plan.nodes["nll_loss_forward"]
+    assert (nll.ins[0], nll.out[0], nll.out[1]) == (("S(0)",), ("P(sum)",), ("R",)), nll
+    count = [c for c in plan.collectives if c["edge"] == "nll_loss_forward->nll_loss_forward"]
+    assert [(c["kind"], c["nbytes"]) for c in count] == [("all_reduce", 8)], count
+    _check(plan, verify(example, (2,), ("dp",), plan_json=plan.to_json(timings=True), batch=2))
+
+
+def _check(plan: Plan, reports) -> None:
+    """Every rank's losses, gradients and parameters are the single-device model's, and
+    every all-reduce the plan prices ran (gloo runs a reshard's all_to_all as an
+    all_gather, so the other kinds are not compared)."""
     for r in reports:
         for got, want in zip(r.losses, r.ref_losses):
             assert abs(got - want) <= F64 * abs(want), (r.losses, r.ref_losses)
         assert r.grad_rel_err <= F64, (r.grad_rel_err, r.worst_grad)
         assert r.param_rel_err <= F64, (r.param_rel_err, r.worst_param)
         assert not r.mismatches, r.mismatches
-    # every all-reduce the plan prices ran (gloo runs a reshard's all_to_all as an
-    # all_gather, so the other kinds are not compared)
-    all_reduce = ("all_reduce", "tp")
-    assert reports[0].ran[all_reduce] == plan.collective_counts()[all_reduce]
+    for axis in plan.mesh.axis_names:
+        key = ("all_reduce", axis)
+        assert reports[0].ran[key] == plan.collective_counts()[key], (key, reports[0].ran)
