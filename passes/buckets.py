@@ -80,7 +80,8 @@ core/schedule issues the bucket after its last gradient and, where the profile o
 collectives, lets the compute stream run on to the bucket's wait.
 
 ``plan.cost``: ``comm_s`` and ``comm_by_kind_s`` are repriced with the buckets (the sum
-of the step's collectives, nothing discounted); the solver's own objective (passes/solve,
+of the step's collectives, nothing discounted, but an op's own, ``n->n``, which are in
+its node's cost and so in ``compute_s``); the solver's own objective (passes/solve,
 "Overlap": the buckets hidden behind the backward up to its length) is kept as
 ``objective_s``, and ``total_s`` becomes the emitted step's simulated length
 (``Plan.emitted_step_s``, autopar/api), which credits exactly the overlap the emitted step
@@ -97,6 +98,7 @@ from collections.abc import Sequence
 import torch
 
 from autopar.core import Plan, StrategySpace, local_shape, parse_placements, reductions, roles
+from autopar.core.schedule import inside_op
 
 from .solve import collective_s, overlaps_collectives
 
@@ -280,7 +282,8 @@ def bucket_reductions(space: StrategySpace, plan: Plan, bucket_bytes: float) -> 
             collectives.append(entry)
     by_kind: dict[str, float] = defaultdict(float)
     for c in collectives:
-        by_kind[c["kind"]] += c["time_s"]
+        if not inside_op(c["edge"]):  # (an op's own: in compute_s, its node's cost)
+            by_kind[c["kind"]] += c["time_s"]
     cost = dict(plan.cost)
     cost.setdefault("objective_s", cost.get("total_s", 0.0))
     cost["comm_s"] = sum(by_kind.values())

@@ -24,7 +24,7 @@ import torch
 from .mesh import Mesh
 from .placements import parse_placements, placement_str
 from .roles import op_name
-from .schedule import schedule, step_length
+from .schedule import inside_op, schedule, step_length
 from .space import Recompute, Solution, StrategySpace
 from .version import __version__
 
@@ -178,8 +178,10 @@ class Plan:
             ``dtype``, ``op``, ``overlap`` and, where it is waited for where the next is
             issued, ``wait_after``. A reshard issued ahead of its consumer
             (passes/prefetch) has ``issue_after``: the node after which it is issued.
-        cost: ``compute_s``, ``comm_s`` (every collective of the step, nothing hidden),
-            ``total_s``, ``objective_s`` and ``comm_by_kind_s``. ``total_s`` is the
+        cost: ``compute_s`` (every node's ``cost_s``, with the collectives an op runs
+            inside itself: edges ``n->n``), ``comm_s`` (every other collective of the
+            step, nothing hidden), ``total_s``, ``objective_s`` and ``comm_by_kind_s``
+            (``comm_s`` by kind). ``total_s`` is the
             emitted step simulated (``emitted_step_s``: its buckets and prefetches as
             codegen emits them, in the plan's order); ``objective_s`` is the solver's
             objective. Where the profile prices the host's fixed time per step (a
@@ -266,7 +268,8 @@ class Plan:
         collectives = []
         param_of = {node: name for name, node in space.params.items()}
         for label, c, t in solution.collectives:
-            by_kind[c.kind] = by_kind.get(c.kind, 0.0) + t
+            if not inside_op(label):  # (an op's own: in its node's cost, compute_s)
+                by_kind[c.kind] = by_kind.get(c.kind, 0.0) + t
             collectives.append(
                 {
                     "edge": label,

@@ -123,6 +123,13 @@ def _points(plan: Plan) -> list[str]:
     return list(plan.order or plan.nodes)
 
 
+def inside_op(edge: str) -> bool:
+    """Whether a collective's edge text is an op's own (``n->n``: run inside the op, its
+    time in the node's ``cost_s``)."""
+    src, dst = edge_ends(edge)
+    return src == dst
+
+
 def edge_ends(edge: str) -> tuple[str, str]:
     """``(src, dst point)`` of a collective's edge text (``a->b``, ``a->b (recomputed)``,
     ``a->output[3] (as primals_3)``)."""
