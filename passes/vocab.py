@@ -64,7 +64,7 @@ of float32 logits moves 4 C bytes a row; the count is one int64. Each is waited 
 (``_inner_collectives``) and core/schedule draws them inside it.
 
 A class weight (``weight`` not None) is not split: those calls keep DTensor's strategies
-only. The classes are split over one mesh axis at most, and only where the axis's size
+only (a ``mean``'s batch split dropped as inexact: its loss is replicated). The classes are split over one mesh axis at most, and only where the axis's size
 divides them (``core.placements.divides``): a vocabulary of 50257 is not split; the rows
 over any set of axes whose sizes divide them.
 """
@@ -185,8 +185,9 @@ def _mean_rows(target, args) -> int | None:
 
 def exact(target, args, strategies: list[Strategy]) -> list[Strategy]:
     """``strategies`` less those of a ``mean`` NLL that average the ranks' means
-    (``Partial(avg)``: DTensor's batch split, module docstring "Rows")."""
-    if _mean_rows(target, args) is None or target != _NLL:
+    (``Partial(avg)``: DTensor's batch split, module docstring "Rows"), with a class weight
+    too (its mean divides by the targets' summed weights, which differ as the counts do)."""
+    if target != _NLL or args[3] != _MEAN:
         return strategies
     return [s for s in strategies if Partial("avg") not in (s.out[0] or ())]
 

@@ -85,6 +85,8 @@ def test_row_split_replaces_the_average_of_the_ranks_means():
     assert vocab.exact(op, mean, [whole, avg]) == [whole]
     summed = (None, None, None, 2, IGNORE)  # a sum's rule is exact: kept
     assert vocab.exact(op, summed, [whole, avg]) == [whole, avg]
+    weighted = (None, None, object(), 1, IGNORE)  # a weighted mean's is not
+    assert vocab.exact(op, weighted, [whole, avg]) == [whole]
     texts = sorted(s.text() for s in vocab.row_split(op, mean, [(N, C), (N,)], (2, 3)))
     assert texts == sorted(
         [
