@@ -38,7 +38,7 @@ plan's order, passes/order), and
        NOTE: ``torch.distributed._functional_collectives`` is the traceable collectives API
        DTensor itself emits; no public module offers it (tests/unit/test_torch_internals.py).
     5. a cross-entropy op with its classes split (passes/vocab) runs on this rank's classes,
-       from its first class (``core.local_offset``; ``_class_split``): the softmax's max and
+       from its first class (``core.local_offset``; ``_split_loss``): the softmax's max and
        sum, and its backward's sum, all-reduced over the classes' axis and waited for at
        once; and a ``mean`` loss with its rows split runs on this rank's rows, its count of
        targets all-reduced over the rows' axes (passes/vocab, "Rows"); DTensor's dispatch
@@ -557,13 +557,13 @@ class _Localizer(torch.fx.Interpreter):
         split = vocab.split_axis(target, args, in_ps, in_shapes)
         rows = vocab.row_axes(target, args, in_ps, in_shapes)
         if split is not None or rows:
-            return self._class_split(target, args, dst_all, split, rows)
+            return self._split_loss(target, args, dst_all, split, rows)
         at = rules.ATTENTION_Q.get(target)
         if at is not None and rules.sequence_axes(dst_all[at][0]):
             return self._rows_attention(target, args, dst_all)
         return self._run_op(node, target, args, kwargs, in_nodes, dst_all, out_ps)
 
-    def _class_split(self, target, args, placed, split, rows):
+    def _split_loss(self, target, args, placed, split, rows):
         """A cross-entropy op on this rank's classes and rows (module docstring, 5)."""
         offset, group = 0, ""
         if split is not None:

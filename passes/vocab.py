@@ -64,9 +64,10 @@ of float32 logits moves 4 C bytes a row; the count is one int64. Each is waited 
 (``_inner_collectives``) and core/schedule draws them inside it.
 
 A class weight (``weight`` not None) is not split: those calls keep DTensor's strategies
-only (a ``mean``'s batch split dropped as inexact: its loss is replicated). The classes are split over one mesh axis at most, and only where the axis's size
-divides them (``core.placements.divides``): a vocabulary of 50257 is not split; the rows
-over any set of axes whose sizes divide them.
+only (less a ``mean``'s batch split, inexact too: its loss is replicated). The classes are
+split over one mesh axis at most, and only where the axis's size divides them
+(``core.placements.divides``): a vocabulary of 50257 is not split; the rows over any set
+of axes whose sizes divide them.
 """
 
 from __future__ import annotations
