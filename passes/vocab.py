@@ -73,7 +73,6 @@ of axes whose sizes divide them.
 from __future__ import annotations
 
 import itertools
-import math
 
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
@@ -205,14 +204,15 @@ def row_split(target, args, in_shapes, mesh_shape) -> list[Strategy]:
     out: list[Strategy] = []
     for k in range(1, len(axes) + 1):
         for chosen in itertools.combinations(axes, k):
-            rows = tuple(Shard(0) if a in chosen else Replicate() for a in range(len(rep)))
-            if in_shapes[pos][0] % math.prod(mesh_shape[a] for a in chosen):
+
+            def on_rows(p, chosen=chosen):
+                return tuple(p if a in chosen else Replicate() for a in range(len(rep)))
+
+            rows = on_rows(Shard(0))
+            if not divides(rows, tuple(in_shapes[pos]), mesh_shape):
                 continue
             if target == _NLL:
-                loss = tuple(
-                    Partial("sum") if a in chosen else Replicate() for a in range(len(rep))
-                )
-                out.append(Strategy(out=(loss, rep), ins=(rows, rows)))
+                out.append(Strategy(out=(on_rows(Partial("sum")), rep), ins=(rows, rows)))
             else:
                 out.append(Strategy(out=(rows,), ins=(rep, rows, rows, rep)))
     return out
