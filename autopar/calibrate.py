@@ -5,7 +5,7 @@ datasheet peaks and published measurements; this module measures the machine it 
 (the CPU with gloo, or CUDA devices with NCCL) and writes a profile JSON that ``autopar plan
 --profile PATH`` and ``autopar.load_profile(PATH)`` take.
 
-What is measured, each as the median of timed repetitions after warm-up:
+What is measured, each after warm-up:
 
     matmul curves       torch.mm of n x n by n x n, per dtype, for growing n: points
                         (2 n^3 FLOPs, FLOP/s) of ``kernel_rates["matmul"]``; the fastest rate
@@ -15,12 +15,16 @@ What is measured, each as the median of timed repetitions after warm-up:
                         ``kernel_rates["attention"]`` / ``["attention_backward"]``
     mem_bandwidth       a clone of a large tensor: bytes read + written over its time
     kernel_launch       a one-element add, as the emitted step runs one op of its graph
-                        (``measure_step_op``: an fx graph of adds run as its generated
+                        (``measure_step_ops``: an fx graph of adds run as its generated
                         code): the fixed cost of an op
     the intra-node link N local processes run all_reduce, all_gather, reduce_scatter and
                         all_to_all at sizes from KiB to MiB, as the step runs them
                         (functional collectives, each waited for, each after a burst of
-                        kernels whose time alone is taken off); the model of cost_models.comm,
+                        kernels whose time alone is taken off), the mean of the calls (a
+                        step pays every call: on gloo over a VM's cores a sub-ms call
+                        takes a scheduler tick, 4 ms, one time in five or so, and its mean
+                        is 2-3x its median), as ``median_of_means``; the model of
+                        cost_models.comm,
                         ``t = o + steps(kind, n) a + factor(kind, n) S / bw``, is fitted to
                         them by least squares over relative errors with o, a, 1/bw >= 0
                         (``fit_link``), giving ``collective_overhead``,
@@ -29,16 +33,22 @@ What is measured, each as the median of timed repetitions after warm-up:
                         ``collective_scale``: a library may run a kind by another algorithm)
     host time (CPU)     a chain of views run as the step runs its graph (``view_launch``);
                         two chains of tiny layers compiled by autopar and timed as a
-                        training loop steps them, their nodes taken off: the runtime's time
-                        per step and per parameter (``measure_runtime``, ``step_overhead``,
+                        training loop steps them on N ranks side by side (the mean step,
+                        as ``median_of_means``: ranks beside each other take each other's
+                        cores now and then),
+                        their nodes taken off: the runtime's time per step and per
+                        parameter (``measure_runtime``, ``step_overhead``,
                         ``param_overhead``)
 
-A kernel's FLOP/s is its FLOPs over its time less the cost of calling it alone (the cost
-model adds ``kernel_launch`` back once), so small kernels are not charged it twice. Compute
-runs on as many threads as a rank of the local launcher uses (one on the CPU,
-runtime/launch), so a CPU profile prices what a gloo rank computes. What one machine cannot show comes from the base
-profile (``--base``) and the source says so: the inter-node link, the memory reserve, and
-``all_reduce_algorithms``.
+Every other kernel and host time is the median of calls timed in rounds (each curve's points
+taken in turn, ``_spread_medians``) spread over a second or two: a VM's speed drifts by
+20-30% over seconds, and a curve timed point after point came out shifted by it. A
+kernel's FLOP/s is its FLOPs over its time less the cost of calling it alone (the cost
+model adds ``kernel_launch`` back once), so small kernels are not charged it twice.
+Compute runs on as many threads as a rank of the local launcher uses (one on the CPU,
+runtime/launch), so a CPU profile prices what a gloo rank computes. What one machine
+cannot show comes from the base profile (``--base``) and the source says so: the
+inter-node link, the memory reserve, and ``all_reduce_algorithms``.
 """
 
 from __future__ import annotations
@@ -74,7 +84,7 @@ from .cost_models import (
 )
 from .runtime.launch import run_local
 
-__all__ = ["Sample", "calibrate", "fit_link", "measure_collectives"]
+__all__ = ["Sample", "calibrate", "fit_link", "measure_collectives", "median_of_means"]
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 BURST, BURST_CALLS = 96, 50
@@ -84,16 +94,24 @@ of a small all-reduce depends on it: 0.55 ms after 0.02 ms of kernels, 0.7 ms af
 1.4 ms after 0.9 (measured on a 2-core VM with 2 ranks)."""
 _DTYPES = ("float32", "float64", "bfloat16", "float16")
 
-# (matmul sizes n, attention sequence lengths, collective bytes, repetitions): full and quick
+# (matmul sizes n, attention sequence lengths, collective bytes, repetitions, the seconds
+# each curve's rounds spread over): full and quick
 _PLANS = {
-    "cpu": ((64, 128, 256, 512, 1024), (128, 256, 512, 1024), (2**12, 2**16, 2**20, 2**23), 5),
+    "cpu": (
+        (64, 128, 256, 512, 1024),
+        (128, 256, 512, 1024),
+        (2**12, 2**16, 2**20, 2**23),
+        5,
+        2.0,
+    ),
     "cuda": (
         (256, 512, 1024, 2048, 4096, 8192),
         (512, 1024, 2048, 4096, 8192),
         (2**12, 2**16, 2**20, 2**24, 2**27),
         10,
+        1.0,
     ),
-    "quick": ((32, 64, 128), (64, 128), (2**12, 2**18, 2**22), 3),
+    "quick": ((32, 64, 128), (64, 128), (2**12, 2**18, 2**22), 3, 0.0),
 }
 
 Sample = tuple[str, int, float, float]
@@ -105,7 +123,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _median_time(fn: Callable[[], object], device: torch.device, reps: int) -> float:
+def _times(fn: Callable[[], object], device: torch.device, reps: int) -> list[float]:
     fn()  # warm-up (allocations, kernel selection)
     _sync(device)
     times = []
@@ -114,7 +132,49 @@ def _median_time(fn: Callable[[], object], device: torch.device, reps: int) -> f
         fn()
         _sync(device)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return times
+
+
+def median_of_means(samples: Sequence[float], groups: int = 5) -> float:
+    """The median of the means of ``groups`` runs of consecutive ``samples``: the time a loop
+    of the calls takes per call, its frequent slow calls included (a mean), that one rare
+    stall (a page reclaim: 100 ms and more) cannot move (the median over the runs)."""
+    runs = [r for r in np.array_split(np.asarray(samples, dtype=float), groups) if len(r)]
+    return float(statistics.median(float(r.mean()) for r in runs))
+
+
+def _median_time(fn: Callable[[], object], device: torch.device, reps: int) -> float:
+    return statistics.median(_times(fn, device, reps))
+
+
+def _spread_times(
+    fns: Sequence[Callable[[], object]], device: torch.device, reps: int, seconds: float
+) -> list[list[float]]:
+    """The seconds of each call of each of ``fns``, timed in rounds (each once a round,
+    after an untimed call where it is short, so that it runs warm as a run of it does) until
+    ``reps`` rounds and ``seconds`` have passed. A VM's speed drifts by 20-30% over seconds
+    (its neighbours), and a curve timed at one go comes out shifted; rounds spread each
+    point over the drift."""
+    times: list[list[float]] = [[] for _ in fns]
+    short = [True] * len(fns)
+    start = time.perf_counter()
+    while len(times[0]) < reps or time.perf_counter() - start < seconds:
+        for i, fn in enumerate(fns):
+            if short[i]:
+                fn()  # the caches the round's other calls took
+                _sync(device)
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            times[i].append(time.perf_counter() - t0)
+            short[i] = times[i][-1] < 1e-3
+    return times
+
+
+def _spread_medians(
+    fns: Sequence[Callable[[], object]], device: torch.device, reps: int, seconds: float
+) -> list[float]:
+    return [statistics.median(ts) for ts in _spread_times(fns, device, reps, seconds)]
 
 
 def measure_launch(device: torch.device, reps: int = 200) -> float:
@@ -129,34 +189,44 @@ def measure_launch(device: torch.device, reps: int = 200) -> float:
     return _median_time(many, device, max(3, reps // runs)) / runs
 
 
-def measure_step_op(device: torch.device, reps: int = 20, *, view: bool = False) -> float:
-    """Seconds per op of a chain of one-element adds (``view``: of views, which run no
-    kernel) run as the emitted step runs its graph (passes/codegen: the Python code fx
+def measure_step_ops(
+    device: torch.device, reps: int = 20, seconds: float = 0.0
+) -> tuple[float, float]:
+    """Seconds per op of a chain of one-element adds, and of a chain of views (which run no
+    kernel), run as the emitted step runs its graph (passes/codegen: the Python code fx
     generates for the graph, boxed as aot_autograd calls it), so the cost of a graph's node
-    beyond its kernel is in it."""
+    beyond its kernel is in it; the two in rounds over at least ``seconds``."""
     runs = 64
-    graph = torch.fx.Graph()
-    x = graph.placeholder("x")
-    y = x
-    for _ in range(runs):
-        if view:
-            y = graph.call_function(torch.ops.aten.view.default, (y, [1]))
-        else:
-            y = graph.call_function(torch.ops.aten.add.Tensor, (y, x))
-    graph.output(y)
-    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
     x0 = torch.ones(1, device=device)
-    run = boxed_nop(gm, [x0])
-    return _median_time(lambda: run([x0]), device, reps) / runs
+    calls = []
+    for view in (False, True):
+        graph = torch.fx.Graph()
+        x = graph.placeholder("x")
+        y = x
+        for _ in range(runs):
+            if view:
+                y = graph.call_function(torch.ops.aten.view.default, (y, [1]))
+            else:
+                y = graph.call_function(torch.ops.aten.add.Tensor, (y, x))
+        graph.output(y)
+        run = boxed_nop(torch.fx.GraphModule(torch.nn.Module(), graph), [x0])
+        calls.append(lambda run=run: run([x0]))  # a boxed call empties its list
+    op, view_op = _spread_medians(calls, device, reps, seconds)
+    return op / runs, view_op / runs
 
 
-def _runtime_rank(rank: int, world: int, depths: Sequence[int], reps: int) -> list[tuple]:
+def _runtime_rank(
+    rank: int, world: int, depths: Sequence[int], reps: int, seconds: float
+) -> list[tuple]:
     """On one rank: a chain of ``depth`` tiny linear layers compiled by autopar on this
-    rank's mesh (no collective, kernels of a few elements), each step timed as a training
-    loop runs it (forward, backward, gradients dropped); per depth ``(parameters, kernel
-    nodes, view nodes, seconds)``, the nodes those of the compiled graphs."""
+    rank's mesh (kernels of a few elements, each replicated: no collective), each step timed
+    as a training loop runs it (forward, backward, gradients dropped), the depths in rounds
+    over at least ``seconds``; per depth ``(parameters, kernel nodes, view nodes, seconds)``,
+    the nodes those of the compiled graphs, the seconds the mean step (``median_of_means``:
+    as the ranks run beside each other their threads take each other's cores now and then,
+    a scheduler tick, which a loop's time per step holds at the rate it comes)."""
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
-    out = []
+    steps, counts = [], []
     for depth in depths:
         torch.manual_seed(0)
         model = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(depth)))
@@ -171,7 +241,12 @@ def _runtime_rank(rank: int, world: int, depths: Sequence[int], reps: int) -> li
             for p in params:
                 p.grad = None
 
-        seconds = _median_time(step, torch.device("cpu"), reps)
+        if pm.plan.collectives:
+            raise RuntimeError(
+                f"the runtime's chain of {depth} layers was planned with collectives; "
+                "its time would not be the host's alone"
+            )
+        steps.append(step)
         ops_ = [
             n.target
             for g in pm.compiled.graphs.values()
@@ -179,17 +254,23 @@ def _runtime_rank(rank: int, world: int, depths: Sequence[int], reps: int) -> li
             if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
         ]
         views = sum(1 for t in ops_ if is_view_op(t))
-        out.append((len(params), len(ops_) - views, views, seconds))
-    return out
+        counts.append((len(params), len(ops_) - views, views))
+    dist.barrier()  # every rank compiled: they step side by side
+    times = _spread_times(steps, torch.device("cpu"), reps, seconds)
+    return [(*c, median_of_means(t)) for c, t in zip(counts, times)]
 
 
-def measure_runtime(step_op: float, view_op: float, reps: int) -> tuple[float, float]:
+def measure_runtime(
+    step_op: float, view_op: float, reps: int, seconds: float = 0.0, nproc: int = 1
+) -> tuple[float, float]:
     """``(step_overhead, param_overhead)``: a step's host time outside its graph's nodes,
     fixed and per parameter. Two chains of tiny layers are compiled and timed
-    (``_runtime_rank``, one rank of the local launcher); their nodes priced at ``step_op``
-    and ``view_op`` are taken off, and the line through the two rests by parameter count
-    gives the two terms (each at least 0)."""
-    rows = run_local(_runtime_rank, 1, (1, 8), reps)[0]
+    (``_runtime_rank``, on ``nproc`` ranks of the local launcher stepping side by side, the
+    slowest rank's); their nodes priced at ``step_op`` and ``view_op`` are taken off, and
+    the line through the two rests by parameter count gives the two terms (each at least
+    0)."""
+    per_rank = run_local(_runtime_rank, nproc, (1, 8), reps, seconds)
+    rows = [max(depth, key=lambda row: row[3]) for depth in zip(*per_rank)]
     (p1, k1, v1, t1), (p2, k2, v2, t2) = rows
     r1 = t1 - k1 * step_op - v1 * view_op
     r2 = t2 - k2 * step_op - v2 * view_op
@@ -210,38 +291,51 @@ def _rate(flops: float, seconds: float, launch: float) -> float:
 
 
 def measure_matmul(
-    device: torch.device, dtype: torch.dtype, sizes: Sequence[int], reps: int, launch: float
+    device: torch.device,
+    dtype: torch.dtype,
+    sizes: Sequence[int],
+    reps: int,
+    launch: float,
+    seconds: float = 0.0,
 ) -> tuple[tuple[float, float], ...]:
-    """``((2 n^3, FLOP/s), ...)`` of n x n matmuls in ``dtype``."""
-    points = []
+    """``((2 n^3, FLOP/s), ...)`` of n x n matmuls in ``dtype``, timed in rounds over at
+    least ``seconds`` (``_spread_medians``)."""
+    calls = []
     for n in sizes:
         a = torch.randn(n, n, device=device).to(dtype)
         b = torch.randn(n, n, device=device).to(dtype)
-        t = _median_time(functools.partial(torch.mm, a, b), device, reps)
-        points.append((2.0 * n**3, _rate(2.0 * n**3, t, launch)))
-    return tuple(points)
+        calls.append(functools.partial(torch.mm, a, b))
+    times = _spread_medians(calls, device, reps, seconds)
+    return tuple((2.0 * n**3, _rate(2.0 * n**3, t, launch)) for n, t in zip(sizes, times))
 
 
 def measure_attention(
-    device: torch.device, dtype: torch.dtype, seqs: Sequence[int], reps: int, launch: float
+    device: torch.device,
+    dtype: torch.dtype,
+    seqs: Sequence[int],
+    reps: int,
+    launch: float,
+    seconds: float = 0.0,
 ) -> tuple[tuple[tuple[float, float], ...], tuple[tuple[float, float], ...]]:
     """Forward and backward ``(FLOPs, FLOP/s)`` points of autopar's causal sdpa, 8 heads of
-    64, batch 1."""
-    fwd, bwd = [], []
+    64, batch 1, timed in rounds over at least ``seconds`` (``_spread_medians``)."""
+    calls, flops = [], []
     for s in seqs:
         shape = (1, 8, s, 64)
         q, k, v = (torch.randn(shape, device=device).to(dtype) for _ in range(3))
         scale = 1 / math.sqrt(64)
         out, lse = ops.sdpa(q, k, v, None, True, scale)
-        forward = functools.partial(ops.sdpa, q, k, v, None, True, scale)
-        backward = functools.partial(ops.sdpa_backward, out, q, k, v, out, lse, None, True, scale)
-        t_f = _median_time(forward, device, reps)
-        t_b = _median_time(backward, device, reps)
-        f_f = attention_flops(shape, shape, shape, True, backward=False)
-        f_b = attention_flops(shape, shape, shape, True, backward=True)
-        fwd.append((f_f, _rate(f_f, t_f, launch)))
-        bwd.append((f_b, _rate(f_b, t_b, launch)))
-    return tuple(fwd), tuple(bwd)
+        calls.append(functools.partial(ops.sdpa, q, k, v, None, True, scale))
+        calls.append(
+            functools.partial(ops.sdpa_backward, out, q, k, v, out, lse, None, True, scale)
+        )
+        flops.append(attention_flops(shape, shape, shape, True, backward=False))
+        flops.append(attention_flops(shape, shape, shape, True, backward=True))
+    points = [
+        (f, _rate(f, t, launch))
+        for f, t in zip(flops, _spread_medians(calls, device, reps, seconds))
+    ]
+    return tuple(points[0::2]), tuple(points[1::2])
 
 
 def _collective_rank(rank: int, world: int, sizes: Sequence[int], reps: int, device_type: str):
@@ -259,7 +353,7 @@ def _collective_rank(rank: int, world: int, sizes: Sequence[int], reps: int, dev
             torch.mm(square, square)
         _sync(device)
 
-    alone = _median_time(burst, device, 3 * reps)
+    alone = median_of_means(_times(burst, device, 3 * reps))
     cases = []
     for kind, nbytes in itertools.product(KINDS, sizes):
         numel = max(world, nbytes // 4 // world * world)
@@ -294,7 +388,7 @@ def _collective_rank(rank: int, world: int, sizes: Sequence[int], reps: int, dev
     # (at least a microsecond: the fit weighs relative errors, and taking the burst off a
     # collective shorter than its noise could leave nothing)
     return [
-        (kind, nbytes, max(statistics.median(ts), 1e-6))
+        (kind, nbytes, max(median_of_means(ts), 1e-6))
         for (kind, nbytes, _), ts in zip(cases, times)
     ]
 
@@ -404,14 +498,14 @@ def calibrate(
     (the samples, the fit and its errors) for a report."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     base_profile = get_profile(base or ("h100" if dev.type == "cuda" else "cpu"))
-    sizes, seqs, coll_sizes, reps = _PLANS["quick" if quick else dev.type]
+    sizes, seqs, coll_sizes, reps, spread = _PLANS["quick" if quick else dev.type]
     threads = torch.get_num_threads()
     if dev.type == "cpu":
         torch.set_num_threads(1)  # as a rank of the local launcher computes
     try:
         launch = measure_launch(dev)
-        step_op = max(launch, measure_step_op(dev))
-        view_op = measure_step_op(dev, view=True)
+        step_op, view_op = measure_step_ops(dev, seconds=spread)
+        step_op = max(launch, step_op)
         log(
             f"kernel launch {launch * 1e6:.2f} us, {step_op * 1e6:.2f} us per op of a step, "
             f"{view_op * 1e6:.2f} us per view"
@@ -422,13 +516,15 @@ def calibrate(
         rates, peaks = [], []
         for dtype_name in _DTYPES:
             dtype = getattr(torch, dtype_name)
-            curve = measure_matmul(dev, dtype, sizes, reps, launch)
+            curve = measure_matmul(dev, dtype, sizes, reps, launch, spread)
             rates.append(("matmul", dtype_name, curve))
             peaks.append((dtype_name, max(r for _, r in curve)))
             log(f"matmul {dtype_name}: " + ", ".join(f"{r / 1e9:.0f}" for _, r in curve) + " GF/s")
         attn_dtypes = ("float32",) if dev.type == "cpu" else ("bfloat16", "float16")
         for dtype_name in attn_dtypes:
-            fwd, bwd = measure_attention(dev, getattr(torch, dtype_name), seqs, reps, launch)
+            fwd, bwd = measure_attention(
+                dev, getattr(torch, dtype_name), seqs, reps, launch, spread
+            )
             rates += [("attention", dtype_name, fwd), ("attention_backward", dtype_name, bwd)]
             log(
                 f"attention {dtype_name}: fwd {fwd[-1][1] / 1e9:.0f}, bwd {bwd[-1][1] / 1e9:.0f} GF/s"
@@ -437,7 +533,7 @@ def calibrate(
         torch.set_num_threads(threads)
     host_costs: dict[str, float] = {}
     if dev.type == "cpu":  # on CUDA the host runs ahead of the device: the base's (0)
-        step_overhead, param_overhead = measure_runtime(step_op, view_op, 10 * reps)
+        step_overhead, param_overhead = measure_runtime(step_op, view_op, 10 * reps, spread, nproc)
         host_costs = dict(
             view_launch=view_op, step_overhead=step_overhead, param_overhead=param_overhead
         )

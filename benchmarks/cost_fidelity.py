@@ -1,7 +1,7 @@
 """Predicted step time (the cost model) against the emitted step, measured; and the bytes of
 every collective, predicted against counted as the step runs.
 
-    python benchmarks/cost_fidelity.py [--profile PATH] [--steps 20] [--check]
+    python benchmarks/cost_fidelity.py [--profile PATH] [--steps 20] [--seconds 2] [--check]
 
 The profile is this machine's: ``autopar calibrate`` runs first (``autopar.calibrate``:
 kernel curves, memory bandwidth, launch cost, the gloo link on 2 ranks), unless
@@ -12,9 +12,12 @@ no rank waits for a core) and times the forward and backward of the emitted step
     predicted   the step as emitted (autopar/report ``schedule``): every node's compute
                 time in order, each collective waited for where the step runs it; the
                 plan's ``cost["total_s"]`` credits overlap the gloo step does not have
-    measured    the median over ``--steps`` steps after warm-up of one rank's
-                ``pm(*batch).backward()``, ranks started together (a barrier) and then
-                stepping back to back as a training loop does, the slowest rank's median
+    measured    the mean step, as a training loop's throughput counts it (median of the
+                means of five runs of steps, ``autopar.calibrate.median_of_means``: one
+                rare stall of 100 ms cannot move it), over the steps that fill
+                ``--seconds`` (at least ``--steps``) after warm-up, of one
+                rank's ``pm(*batch).backward()``; the ranks start together (a barrier)
+                and then step back to back as a training loop does; the slowest rank's
     bytes       ``Plan.collective_bytes`` against ``autopar.verify.CollectiveBytes``
                 (a dispatch mode counting the functional collectives as they run) during
                 one step, by kind and axis; gloo runs an all-to-all as an all-gather
@@ -27,7 +30,6 @@ on every case; collective bytes within 2% for every kind and axis. A CUDA row (N
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
 import time
@@ -62,11 +64,12 @@ def _on_gloo(plan) -> dict:
     return out
 
 
-def _measure(rank, world, profile_path, example, mesh_shape, fraction, steps, backend):
+def _measure(rank, world, profile_path, example, mesh_shape, fraction, steps, seconds, backend):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     import autopar
+    from autopar.calibrate import median_of_means
     from autopar.models import EXAMPLES
     from autopar.report import schedule, step_length
     from autopar.verify import CollectiveBytes
@@ -102,11 +105,18 @@ def _measure(rank, world, profile_path, example, mesh_shape, fraction, steps, ba
     counted = CollectiveBytes(mesh)
     with counted:
         step()
+    # as many steps as fill ``seconds`` (rank 0's count, so every rank runs the same
+    # collectives), at least ``steps``: a sub-ms collective on gloo costs 4 ms now and then
+    # (a scheduler tick), and a step's mean holds those at the rate they come
+    t0 = time.perf_counter()
+    step()
+    count = [max(steps, int(seconds / max(time.perf_counter() - t0, 1e-6)))]
+    dist.broadcast_object_list(count, src=0)
     times = []
     # the ranks start together once, then run steps back to back as a training loop does (a
     # barrier before each step would add gloo's barrier to the step: ~0.14 ms on the mlp)
     dist.barrier()
-    for _ in range(steps):
+    for _ in range(count[0]):
         if device == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -116,7 +126,8 @@ def _measure(rank, world, profile_path, example, mesh_shape, fraction, steps, ba
         times.append(time.perf_counter() - t0)
     plan = pm.plan
     return {
-        "measured": statistics.median(times),
+        "measured": median_of_means(times),
+        "steps": len(times),
         "counted": counted.bytes,
         "predicted": step_length(schedule(plan)),
         "compute": plan.cost["compute_s"],
@@ -143,7 +154,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--profile", help="a profile JSON (autopar calibrate); default: calibrate now")
     ap.add_argument("--quick", action="store_true", help="calibrate with fewer, smaller samples")
-    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=20, help="the fewest steps timed")
+    ap.add_argument("--seconds", type=float, default=2.0, help="time steps for this long")
     ap.add_argument("--check", action="store_true", help="fail when a target is missed")
     args = ap.parse_args(argv)
     from common import print_header
@@ -153,9 +165,12 @@ def main(argv=None) -> int:
     if torch.cuda.is_available() and torch.cuda.device_count() >= 2:
         rows += [(case, "nccl", None) for case in CASES]
     print_header(
-        f"{source}; fp32; forward + backward; median of {args.steps} steps, slowest rank",
+        f"{source}; fp32; forward + backward; the mean step (median of 5 runs' means) over "
+        f"{args.seconds:g} s and at "
+        f"least {args.steps} steps, slowest rank",
         ["backend", "model", "mesh", "budget", "collectives", "checkpointed layers",
-         "predicted compute ms", "predicted step ms", "measured ms", "predicted / measured",
+         "predicted compute ms", "predicted step ms", "steps timed", "measured ms",
+         "predicted / measured",
          "collective bytes predicted", "counted", "bytes ratio"],
     )  # fmt: skip
     time_misses, bytes_misses = [], []
@@ -165,7 +180,8 @@ def main(argv=None) -> int:
         for s in mesh_shape:
             world *= s
         results = run_local(
-            _measure, world, profile_path, example, mesh_shape, fraction, args.steps, backend,
+            _measure, world, profile_path, example, mesh_shape, fraction, args.steps, args.seconds,
+            backend,
             backend=backend,
         )  # fmt: skip
         r0 = results[0]
@@ -185,7 +201,7 @@ def main(argv=None) -> int:
             f"| {backend} | {example} | {'x'.join(map(str, mesh_shape))} | "
             f"{'device' if fraction is None else f'{fraction:.0%} of one device'} | "
             f"{r0['collectives']} | {r0['recompute']} | {r0['compute'] * 1e3:.3f} | "
-            f"{r0['predicted'] * 1e3:.3f} | {measured * 1e3:.3f} | {ratio:.2f} | "
+            f"{r0['predicted'] * 1e3:.3f} | {r0['steps']} | {measured * 1e3:.3f} | {ratio:.2f} | "
             f"{sum(predicted_bytes.values()):,} | {sum(counted.values()):,} | {worst:.4f} |",
             flush=True,
         )
