@@ -2,6 +2,7 @@
 
     python benchmarks/plan_at_scale.py [--models llama3-8b,gpt3] [--meshes 8,8x8,16x8]
         [--memory-gib G] [--precision bf16-mixed|fp32] [--no-fold] [--no-checkpointing]
+        [--check]
 
 No weights are allocated (``autopar.models.llama3_8b`` / ``gpt3``, batch 8 x 2048 tokens).
 ``--precision bf16-mixed`` (the default, as these models are trained): float32 parameters and
@@ -12,11 +13,17 @@ parameters, gradients, AdamW state, activations, temporaries, collective buffers
 the device profile's usable memory); a mesh on which the model cannot fit says so, with
 the smallest budget that would. "checkpointed" lists the layers the plan recomputes in the
 backward (passes/remat); ``--no-checkpointing`` plans without that choice.
+
+Target (``--check`` exits non-zero when it is missed, or when its row is asked for and
+finds no plan):
+Llama-3-8B on (8, 8), planned end to end ("plan s"), within ``TARGETS_S`` (docs: DESIGN's
+performance table, 30 s on a 2-core machine like CI's; the goal is 10 s).
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 import warnings
 
@@ -27,8 +34,11 @@ import autopar
 from autopar.models import EXAMPLES
 from autopar.passes.solve import SolveError
 
+TARGETS_S = {("llama3-8b", "8x8"): 30.0}
+"""The most seconds ``autopar.plan`` may take, end to end, per (model, mesh) row."""
 
-def main() -> None:
+
+def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="llama3-8b,gpt3")
     ap.add_argument("--meshes", default="8,8x8,16x8")
@@ -37,6 +47,7 @@ def main() -> None:
     ap.add_argument("--precision", choices=["bf16-mixed", "fp32"], default="bf16-mixed")
     ap.add_argument("--no-fold", action="store_true")
     ap.add_argument("--no-checkpointing", action="store_true")
+    ap.add_argument("--check", action="store_true", help="fail when a planning time is missed")
     args = ap.parse_args()
     print_header(
         f"profile {args.device}; fold {not args.no_fold}; "
@@ -64,6 +75,7 @@ def main() -> None:
         ],
     )
     warnings.simplefilter("ignore")
+    walls: dict[tuple[str, str], float] = {}
     policy = None
     if args.precision == "bf16-mixed":
         policy = autopar.MixedPrecision(torch.bfloat16, reduce_dtype=torch.float32)
@@ -89,7 +101,7 @@ def main() -> None:
                 wall = time.perf_counter() - t0
                 print(f"| {name} | {text} | no plan fits ({e}); {wall:.1f} s |", flush=True)
                 continue
-            wall = time.perf_counter() - t0
+            wall = walls[name, text] = time.perf_counter() - t0
             st = plan.stats
             step = plan.memory["step"]
             parts = ", ".join(
@@ -107,6 +119,27 @@ def main() -> None:
                 flush=True,
             )
 
+    if not args.check:
+        return 0
+    misses = []
+    asked = {(m, t) for m in args.models.split(",") for t in args.meshes.split(",")}
+    for row, target in TARGETS_S.items():
+        if row not in asked:
+            continue
+        if row not in walls:
+            misses.append(f"{row[0]} on ({row[1]}) did not plan (its row is above)")
+        elif walls[row] > target:
+            misses.append(f"{row[0]} on ({row[1]}) planned in {walls[row]:.1f} s > {target:.0f} s")
+    for row, wall in walls.items():
+        if row in TARGETS_S:
+            print(
+                f"\n{row[0]} on ({row[1]}): {wall:.1f} s, {wall / TARGETS_S[row]:.2f}x the target"
+            )
+    if misses:
+        print("\nFAIL: " + "; ".join(misses))
+        return 1
+    return 0
+
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

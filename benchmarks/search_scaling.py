@@ -1,7 +1,7 @@
 """Planning time against depth: folded and unfolded search on one mesh, same solver.
 
     python benchmarks/search_scaling.py [--depths 12,24,48,96] [--mesh 8x8]
-        [--unfolded-depths 12,24,48] [--time-limit 600]
+        [--unfolded-depths 12,24,48] [--time-limit 600] [--check]
 
 GPT-style models (autopar.models.GPT: hidden 2048, 16 heads, ffn 8192, seq 2048, vocab
 50304, batch 8; only the depth changes) are built on the meta device and traced once per
@@ -11,6 +11,12 @@ An unfolded search that reaches the solver's time limit is reported with ">=" (i
 is then a lower bound). Each measurement runs in its own process (a heap left by a large
 unfolded problem slows the next one down); the folded search is the fastest of
 ``--repeats``. Prints a markdown table with the machine and versions.
+
+Targets (``--check`` exits non-zero when one is missed, or when a depth it needs is not
+measured): the unfolded search at 48 layers at least ``FOLD_SPEEDUP`` times the folded
+one's time; the folded search at the deepest depth at most ``DEPTH_GROWTH`` times its time
+at the shallowest (docs: DESIGN's performance table: 20x at 48 layers, 96 layers within
+1.3x of 12).
 """
 
 from __future__ import annotations
@@ -31,6 +37,11 @@ from autopar.api import plan_step
 from autopar.models import GPT, GPTConfig, cross_entropy_loss
 from autopar.passes.solve import SolveError
 from autopar.passes.trace import trace_step
+
+FOLD_SPEEDUP = (48, 20.0)
+"""(layers, the least unfolded / folded search time there)."""
+DEPTH_GROWTH = 1.3
+"""The most the folded search may take at the deepest depth over the shallowest."""
 
 
 def _trace(depth: int, stack):
@@ -95,7 +106,7 @@ def _in_subprocess(depth: int, args, fold: bool) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def main() -> None:
+def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--depths", default="12,24,48,96")
     ap.add_argument("--unfolded-depths", default="12,24,48")
@@ -103,6 +114,7 @@ def main() -> None:
     ap.add_argument("--device", default="h100")
     ap.add_argument("--time-limit", type=float, default=600.0)
     ap.add_argument("--repeats", type=int, default=3, help="folded searches per depth (min)")
+    ap.add_argument("--check", action="store_true", help="fail when a target is missed")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     shape = tuple(int(s) for s in args.mesh.split("x"))
@@ -111,7 +123,7 @@ def main() -> None:
     if args.one:
         depth, fold = (int(v) for v in args.one.split(","))
         print(json.dumps(_measure(depth, mesh, bool(fold), args.time_limit, args.repeats)))
-        return
+        return 0
     unfolded_depths = {int(d) for d in args.unfolded_depths.split(",") if d}
     print_header(
         f"mesh {args.mesh}; profile {args.device}; solver time limit {args.time_limit:.0f} s; "
@@ -131,8 +143,11 @@ def main() -> None:
             "est. step ms folded / unfolded",
         ],
     )
+    folded: dict[int, float] = {}
+    speedup: dict[int, float] = {}  # unfolded / folded (a lower bound where it was capped)
     for depth in (int(d) for d in args.depths.split(",")):
         f = _in_subprocess(depth, args, True)
+        folded[depth] = f["search_s"]
         row = (
             f"| {depth} | {f['nodes']} | {f['trace_s']:.1f} | {f['solver_nodes']} "
             f"| {f['variables']} | {f['constraints']} | {f['search_s']:.1f} "
@@ -143,7 +158,9 @@ def main() -> None:
             u = _in_subprocess(depth, args, False)
             if "error" in u:
                 row += f"| - | - | >={args.time_limit:.0f} (no solution: {u['error']}) | - | - |"
+                speedup[depth] = args.time_limit / f["search_s"]
             else:
+                speedup[depth] = u["search_s"] / f["search_s"]
                 ge = ">=" if u["capped"] else ""
                 row += (
                     f"| {u['variables']} | {u['constraints']} | {ge}{u['search_s']:.1f} "
@@ -151,7 +168,27 @@ def main() -> None:
                     f"{u['step_ms']:.2f} |"
                 )
         print(row, flush=True)
+    if not args.check:
+        return 0
+    misses = []
+    layers, least = FOLD_SPEEDUP
+    if layers not in speedup:
+        misses.append(f"no unfolded search at {layers} layers (--depths, --unfolded-depths)")
+    elif speedup[layers] < least:
+        misses.append(f"folding is {speedup[layers]:.1f}x faster at {layers} layers < {least:.0f}x")
+    if len(folded) < 2:
+        misses.append("fewer than two depths: no growth to check")
+    else:
+        low, high = min(folded), max(folded)
+        growth = folded[high] / folded[low]
+        print(f"\nfolded search at {high} layers over {low}: {growth:.2f}x")
+        if growth > DEPTH_GROWTH:
+            misses.append(f"{high} layers take {growth:.2f}x the time of {low} > {DEPTH_GROWTH}x")
+    if misses:
+        print("\nFAIL: " + "; ".join(misses))
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
