@@ -233,7 +233,10 @@ smallest feasible budget. Every node may replicate everything (passes/strategies
 a budget the ILP always has a solution.
 
 Solved to within ``mip_gap`` (default ``MIP_GAP``, 0.1%) of the optimum with HiGHS through
-OR-Tools' ``pywraplp`` (single thread: deterministic). Ties in the objective are broken
+OR-Tools' ``pywraplp`` (single thread: deterministic). The overlap rounds ("Overlap") solve
+on two threads where they can: a round whose shares are known is solved on a copy of the
+ILP beside the simulation of the round before (``_SolveBeside``), with the same model and
+objective as in place, so the same plan. Ties in the objective are broken
 towards the earlier strategy: x[v,k] costs ``TIE_BREAK_US`` * k / K_v * n_v microseconds more
 (K_v strategies; n_v instances, so that the folded and the unfolded ILP prefer alike and
 pick the same plan). 1e-4 us per node stands above HiGHS's absolute gap (1e-6) and far below
@@ -247,6 +250,7 @@ import logging
 import math
 import os
 import sys
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -254,7 +258,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from ortools.linear_solver import pywraplp
+from ortools.linear_solver import linear_solver_pb2, pywraplp
 from torch.distributed.tensor import Partial, Replicate
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils._pytree import tree_map
@@ -1076,17 +1080,21 @@ class IlpBuilder:
         obj = self.lp.Objective()
         obj.Clear()
         self._active = self.coef if coef is None else coef
-        terms: dict = defaultdict(float, self._active)
-        if coef is None:
-            for v, c in self.ties.items():
-                terms[v] += c
-            for (kind, part, axis), pool in self.hide_coef.items():
-                share = self.hide_scale.get((part, axis), FIRST_SHARE[kind])
-                for v, c in pool.items():
-                    terms[v] += share * c
+        terms = self.objective_terms(self.hide_scale) if coef is None else coef
         for v, c in terms.items():
             obj.SetCoefficient(v, c)
         obj.SetMinimization()
+
+    def objective_terms(self, hide_scale: Mapping[tuple[str, int], float]) -> dict:
+        """The objective's coefficient of each variable, the hiding terms at ``hide_scale``."""
+        terms: dict = defaultdict(float, self.coef)
+        for v, c in self.ties.items():
+            terms[v] += c
+        for (kind, part, axis), pool in self.hide_coef.items():
+            share = hide_scale.get((part, axis), FIRST_SHARE[kind])
+            for v, c in pool.items():
+                terms[v] += share * c
+        return terms
 
     def overlap(self) -> tuple[float, dict[tuple[str, int], float | None]]:
         """At the solution: the step's length (seconds) with what may hide beside the
@@ -1264,6 +1272,71 @@ def _run(ilp: IlpBuilder, time_limit_s: float, mip_gap: float) -> int:
     params.SetDoubleParam(params.RELATIVE_MIP_GAP, mip_gap)
     with _quiet_stdout():
         return ilp.lp.Solve(params)
+
+
+BESIDE_SOLVERS = ("HIGHS",)
+"""Solvers whose rounds run on threads beside each other (``_SolveBeside``): HiGHS lets go
+of Python's lock while it solves and takes ``output_flag`` before it prints its banner, so
+a copy solves without the process's stdout sent to /dev/null (``_quiet_stdout``)."""
+
+
+class _SolveBeside:
+    """The ILP as it stands with its hiding terms at other shares, solved on a thread beside
+    the caller's own work: a copy of the model, which a second core solves while the first
+    solves or simulates another round ("Overlap"). ``result`` waits for it and gives
+    ``(status, held)``, ``held`` as ``IlpBuilder.hold`` gives it (None where unsolved). A
+    copy no round reads is left to finish on its own (a daemon thread, printing nothing)."""
+
+    def __init__(
+        self,
+        ilp: IlpBuilder,
+        hide_scale: Mapping[tuple[str, int], float],
+        time_limit_s: float,
+        mip_gap: float,
+    ):
+        model = linear_solver_pb2.MPModelProto()
+        ilp.lp.ExportModelToProto(model)
+        for var in model.variable:
+            var.objective_coefficient = 0.0
+        for v, c in ilp.objective_terms(hide_scale).items():
+            model.variable[v.index()].objective_coefficient = c
+        model.maximize = False
+        self.lp = pywraplp.Solver.CreateSolver(ilp.solver)
+        error = self.lp.LoadModelFromProto(model)
+        if error:
+            raise RuntimeError(f"the ILP's copy did not load: {error}")
+        self.lp.SuppressOutput()
+        # NOTE: HiGHS's interface answers False (it keeps no parameters of its own), but the
+        # solver passes the string to HiGHS, which takes it before it prints anything
+        self.lp.SetSolverSpecificParametersAsString("output_flag=false")
+        self._out: tuple[int, tuple[list[float], float, float] | None] | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._solve, args=(time_limit_s, mip_gap), daemon=True
+        )
+        self._thread.start()
+
+    def _solve(self, time_limit_s: float, mip_gap: float) -> None:
+        try:
+            self.lp.SetTimeLimit(int(time_limit_s * 1000))
+            params = pywraplp.MPSolverParameters()
+            params.SetDoubleParam(params.RELATIVE_MIP_GAP, mip_gap)
+            status = self.lp.Solve(params)
+            held = None
+            if _solved(status):
+                obj = self.lp.Objective()
+                values = [v.solution_value() for v in self.lp.variables()]
+                held = (values, obj.Value(), obj.BestBound())
+            self._out = (status, held)
+        except BaseException as e:  # raised again by result, on the caller's thread
+            self._error = e
+
+    def result(self) -> tuple[int, tuple[list[float], float, float] | None]:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        assert self._out is not None
+        return self._out
 
 
 def _solved(status: int) -> bool:
@@ -1575,29 +1648,59 @@ def solve(
 
         # "Overlap": re-price what may hide at the share the last plan leaves unhidden;
         # keep the plan whose step (as emitted, where ``assess`` says) is the shortest
+        step, scales = ilp.overlap()
+        return rounds_from(ilp, step, scales, status, report)
+
+    def rounds_from(
+        ilp: IlpBuilder,
+        step: float,
+        scales: dict[tuple[str, int], float | None],
+        status: int,
+        report: MemoryReport | None,
+    ) -> tuple[IlpBuilder, int, MemoryReport | None]:
+        """The overlap rounds after the first solve (``step``, ``scales``: its overlap).
+        Where the solver can (``BESIDE_SOLVERS``), a round whose shares are known is solved
+        beside the rounds before it are judged: the next round's once a round is solved,
+        and the last round's (below) once the first is; each is read where the rounds
+        reach it (``take``), as solved in place, and dropped where they stop before."""
+
         def length(step: float) -> float:
             if assess is None:
                 return step
             solution = read_solution(ilp, status, {"memory_budget": budget}, time_limit_s)
             return assess(solution)
 
-        step, scales = ilp.overlap()
-        best = (length(step), ilp.hold(), dict(ilp.hide_scale), status, report)
-        best_scales = scales
-        rounds = [best[0]]
-        for _ in range(OVERLAP_ROUNDS - 1):
+        def next_shares(scales: dict) -> dict[tuple[str, int], float] | None:
             counted = {k: ilp.hide_scale.get(k, _first_share(ilp, k)) for k in scales}
             # where the plan has none of it, halfway to nothing unhidden: taken whole, that
             # share (0) swings the plan from one extreme to the other
             shares = {k: counted[k] / 2 if v is None else v for k, v in scales.items()}
             if all(abs(shares[k] - counted[k]) < 0.05 for k in scales):
+                return None  # settled
+            return shares
+
+        def ahead(shares: Mapping[tuple[str, int], float] | None) -> _SolveBeside | None:
+            if shares is None or ilp.cuts or ilp.solver.upper() not in BESIDE_SOLVERS:
+                return None  # (a memory cut: the rounds after solve with more of them)
+            return _SolveBeside(ilp, shares, time_limit_s, mip_gap)
+
+        last = {k: FIRST_SHARE["all_reduce"] for k in scales}
+        shares = next_shares(scales) if OVERLAP_ROUNDS > 1 else None
+        beside, beside_last = ahead(shares), ahead(last)
+        best = (length(step), ilp.hold(), dict(ilp.hide_scale), status, report)
+        best_scales = scales
+        rounds = [best[0]]
+        for i in range(OVERLAP_ROUNDS - 1):
+            if shares is None:
                 break
             ilp.hide_scale = shares
             ilp.objective()
-            status, report = once(ilp)
+            status, report = once(ilp) if beside is None else take(ilp, beside)
             if not _solved(status):
                 break
             step, scales = ilp.overlap()
+            shares = next_shares(scales) if i + 2 < OVERLAP_ROUNDS else None
+            beside = ahead(shares)
             rounds.append(length(step))
             if rounds[-1] >= best[0] * (1 - 1e-6):
                 break  # no shorter: the rounds swing; the shortest so far is kept
@@ -1610,9 +1713,9 @@ def solve(
             # bucket's share, all alike, and is kept where its step is shorter. Not where
             # the memory budget binds (the ILP has cuts): there each round is several
             # solves (a golden plan's 46 s went to 72 s), and the plan shards already
-            ilp.hide_scale = {k: FIRST_SHARE["all_reduce"] for k in best_scales}
+            ilp.hide_scale = last
             ilp.objective()
-            status, report = once(ilp)
+            status, report = once(ilp) if beside_last is None else take(ilp, beside_last)
             if _solved(status):
                 step, _ = ilp.overlap()
                 rounds.append(length(step))
@@ -1623,6 +1726,18 @@ def solve(
         ilp.restore(solution)
         ilp.rounds = rounds
         return ilp, status, report
+
+    def take(ilp: IlpBuilder, beside: _SolveBeside) -> tuple[int, MemoryReport | None]:
+        """The round solved beside, as ``once`` would have solved it in place: its plan,
+        where no memory cut binds it, else the round solved here."""
+        status, held = beside.result()
+        if held is None:
+            return once(ilp)
+        ilp.restore(held)
+        report = ilp.evaluate(lv)
+        if budget is not None and _new_cuts(ilp, report, budget):
+            return once(ilp)
+        return status, report
 
     def once(ilp: IlpBuilder) -> tuple[int, MemoryReport | None]:
         if budget is None:
