@@ -228,3 +228,34 @@ def test_which_reductions_over_several_axes_a_bucket_runs():
     assert chain([(ar, "dp")], both) is None  # tp left unreduced
     assert chain([(rs, "tp"), (ar, "dp"), (ag, "tp")], {"dp": None, "tp": 0}) is None
     assert chain([(rs, "dp"), (ar, "dp")], {"dp": None}) is None
+
+
+def test_rounds_solved_beside_give_the_plan_solved_in_place(monkeypatch):
+    """The overlap rounds whose shares are known are solved on a copy of the ILP beside the
+    round before (passes/solve, ``_SolveBeside``): the rounds and the plan are those of
+    every round solved in place."""
+    import autopar.passes.solve as solve_pass
+
+    mesh = autopar.Mesh((4,), ("dp",), device="h100", ranks_per_node=1)
+    with torch.device("meta"):
+        model = GPT(MIDDLE)
+    tokens = torch.zeros(32, MIDDLE.seq, dtype=torch.long, device="meta")
+    kw = dict(
+        loss_fn=cross_entropy_loss, example_targets=(tokens,),
+        mp_policy=autopar.MixedPrecision(torch.bfloat16, reduce_dtype=torch.float32),
+        constraints={"input:0": "S(0)"},
+    )  # fmt: skip
+    taken = []
+    result = solve_pass._SolveBeside.result
+    monkeypatch.setattr(
+        solve_pass._SolveBeside, "result", lambda self: taken.append(self) or result(self)
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        beside = autopar.plan(model, mesh, (tokens,), **kw)
+        monkeypatch.setattr(solve_pass, "BESIDE_SOLVERS", ())
+        in_place = autopar.plan(model, mesh, (tokens,), **kw)
+    assert taken, "no round was solved beside"
+    assert beside.stats["overlap_rounds"] == in_place.stats["overlap_rounds"]
+    assert beside.collectives == in_place.collectives
+    assert beside.cost["total_s"] == in_place.cost["total_s"]

@@ -300,3 +300,19 @@ def test_a_following_node_read_twice_is_not_merged(llama_layer, monkeypatch):
     every = solve(llama_layer)
     assert every.stats["merged_nodes"] > merged.stats["merged_nodes"]
     assert every.objective_s > 1.02 * exact.objective_s
+
+
+def test_the_gap_reaches_highs_through_its_own_parameters():
+    """OR-Tools' HiGHS interface drops ``RELATIVE_MIP_GAP``; the solver-specific string
+    reaches HiGHS (``solve._parameters``): a value HiGHS cannot read fails the solve, and
+    the gap as ``_parameters`` writes it solves."""
+    lp = pywraplp.Solver.CreateSolver("HIGHS")
+    x = lp.IntVar(0, 10, "x")
+    lp.Add(x >= 2.5)
+    lp.Minimize(x)
+    lp.SuppressOutput()
+    lp.SetSolverSpecificParametersAsString("mip_rel_gap=not-a-number,output_flag=false")
+    assert lp.Solve() not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE)
+    params = solve_pass._parameters(lp, "HIGHS", 0.0, quiet=True)
+    assert lp.Solve(params) == pywraplp.Solver.OPTIMAL
+    assert x.solution_value() == 3
