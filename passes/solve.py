@@ -1265,7 +1265,9 @@ def forbid_choice(ilp: IlpBuilder, choice: Sequence[tuple[str, str]]) -> None:
     ilp.lp.Add(sum(v for vs in terms.values() for v in vs) <= len(terms) - 1)
 
 
-def _parameters(lp: pywraplp.Solver, solver: str, mip_gap: float, *, quiet: bool = False):
+def _parameters(
+    lp: pywraplp.Solver, solver: str, mip_gap: float, *, quiet: bool = False
+) -> pywraplp.MPSolverParameters:
     """The solve's parameters: the gap, and (``quiet``) no output from HiGHS itself."""
     params = pywraplp.MPSolverParameters()
     params.SetDoubleParam(params.RELATIVE_MIP_GAP, mip_gap)
