@@ -123,13 +123,9 @@ def test_fsdp_reduce_scatter_buckets_overlap_as_emitted_and_count_at_the_share_l
 MIDDLE = GPTConfig(vocab=512, seq=512, hidden=1024, heads=8, layers=4, ffn=4096)
 
 
-def test_the_search_shards_the_weights_where_their_gathers_and_scatters_hide():
-    """Data parallel (the batch pinned split), the search chooses between replicated weights
-    (DDP: all-reduce buckets) and sharded ones (gathered ahead of their layer, gradients
-    reduce-scattered in buckets). The link is the bottleneck: the all-reduces, 1.6x the
-    backward, cannot hide, and sharded weights' gathers hide behind the forward and their
-    scatters behind the backward. Counted whole, as the first round counts them, the
-    sharded weights look dearer: the rounds that count what hides find them."""
+def _middle_on_four_nodes() -> tuple[autopar.Mesh, GPT, torch.Tensor, dict]:
+    """``MIDDLE`` on the meta device over 4 ranks one per node, a batch of 32, in bf16:
+    the mesh, the model, the tokens and the planning keywords."""
     mesh = autopar.Mesh((4,), ("dp",), device="h100", ranks_per_node=1)
     with torch.device("meta"):
         model = GPT(MIDDLE)
@@ -138,6 +134,17 @@ def test_the_search_shards_the_weights_where_their_gathers_and_scatters_hide():
         loss_fn=cross_entropy_loss, example_targets=(tokens,),
         mp_policy=autopar.MixedPrecision(torch.bfloat16, reduce_dtype=torch.float32),
     )  # fmt: skip
+    return mesh, model, tokens, kw
+
+
+def test_the_search_shards_the_weights_where_their_gathers_and_scatters_hide():
+    """Data parallel (the batch pinned split), the search chooses between replicated weights
+    (DDP: all-reduce buckets) and sharded ones (gathered ahead of their layer, gradients
+    reduce-scattered in buckets). The link is the bottleneck: the all-reduces, 1.6x the
+    backward, cannot hide, and sharded weights' gathers hide behind the forward and their
+    scatters behind the backward. Counted whole, as the first round counts them, the
+    sharded weights look dearer: the rounds that count what hides find them."""
+    mesh, model, tokens, kw = _middle_on_four_nodes()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         plan = autopar.plan(model, mesh, (tokens,), constraints={"input:0": "S(0)"}, **kw)
@@ -236,15 +243,8 @@ def test_rounds_solved_beside_give_the_plan_solved_in_place(monkeypatch):
     every round solved in place."""
     import autopar.passes.solve as solve_pass
 
-    mesh = autopar.Mesh((4,), ("dp",), device="h100", ranks_per_node=1)
-    with torch.device("meta"):
-        model = GPT(MIDDLE)
-    tokens = torch.zeros(32, MIDDLE.seq, dtype=torch.long, device="meta")
-    kw = dict(
-        loss_fn=cross_entropy_loss, example_targets=(tokens,),
-        mp_policy=autopar.MixedPrecision(torch.bfloat16, reduce_dtype=torch.float32),
-        constraints={"input:0": "S(0)"},
-    )  # fmt: skip
+    mesh, model, tokens, kw = _middle_on_four_nodes()
+    kw["constraints"] = {"input:0": "S(0)"}
     taken = []
     result = solve_pass._SolveBeside.result
     monkeypatch.setattr(
