@@ -40,9 +40,11 @@ What is measured, each after warm-up:
                         parameter (``measure_runtime``, ``step_overhead``,
                         ``param_overhead``)
 
-Every other kernel and host time is the median of calls timed in rounds (each curve's points
-taken in turn, ``_spread_medians``) spread over a second or two: a VM's speed drifts by
-20-30% over seconds, and a curve timed point after point came out shifted by it. A
+The kernel curves and the per-op and per-view costs are medians of calls timed in rounds
+(each curve's points taken in turn, ``_spread_medians``) spread over a second or two: a
+VM's speed drifts by 20-30% over seconds, and a curve timed point after point came out
+shifted by it. The launch cost and the memory bandwidth are medians of calls timed one
+after another. A
 kernel's FLOP/s is its FLOPs over its time less the cost of calling it alone (the cost
 model adds ``kernel_launch`` back once), so small kernels are not charged it twice.
 Compute runs on as many threads as a rank of the local launcher uses (one on the CPU,
