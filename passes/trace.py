@@ -304,14 +304,19 @@ def _masks_as_eager(step: _Step):
     causal or bidirectional mask for SDPA, and ``find_packed_sequence_indices`` returns a
     packed-sequence index whenever it cannot read the position ids (a traced tensor); no
     argument or setting changes either. Both module-level names are swapped for the trace's
-    duration. tests/unit/test_attention.py fails if they move (the mask would come back).
+    duration. Some releases (5.17) have no ``is_torchdynamo_exporting`` there and ask
+    ``is_tracing(padding_mask)`` instead, which is true under export even for no padding
+    mask (None); where the module has that name, it is swapped for one that calls no mask
+    traced when there is none (a given padding mask is still asked about, so its contents
+    are never read while tracing).
+    tests/unit/test_attention.py fails if they move (the mask would come back).
     """
     masking = sys.modules.get("transformers.masking_utils")
-    names = ("is_torchdynamo_exporting", "find_packed_sequence_indices")
-    if masking is None or not all(hasattr(masking, n) for n in names):
+    if masking is None or not hasattr(masking, "find_packed_sequence_indices"):
         yield
         return
-    real = {n: getattr(masking, n) for n in names}
+    names = ("is_torchdynamo_exporting", "is_tracing", "find_packed_sequence_indices")
+    real = {n: getattr(masking, n) for n in names if hasattr(masking, n)}
 
     def packed(position_ids):
         given = getattr(step, "inputs", ())
@@ -319,8 +324,16 @@ def _masks_as_eager(step: _Step):
             return real["find_packed_sequence_indices"](position_ids)
         return None  # counted by the model: one sequence per row
 
-    setattr(masking, "is_torchdynamo_exporting", lambda: False)  # noqa: B010
-    setattr(masking, "find_packed_sequence_indices", packed)  # noqa: B010
+    def tracing(tensor=None):
+        return tensor is not None and real["is_tracing"](tensor)
+
+    swapped = {
+        "is_torchdynamo_exporting": lambda: False,
+        "is_tracing": tracing,
+        "find_packed_sequence_indices": packed,
+    }
+    for n in real:
+        setattr(masking, n, swapped[n])
     try:
         yield
     finally:

@@ -19,8 +19,16 @@ none). ``lse`` is the log-sum-exp of each query row's scores, in float32 for 16-
 
 Kernels, by device:
     cpu   ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward.
-    cuda  ``aten._scaled_dot_product_efficient_attention`` and its backward (they take a mask;
-          their ``lse`` is padded to a multiple of 32 rows, cut here and padded back).
+    cuda  ``aten._scaled_dot_product_flash_attention`` and its backward where torch's own
+          attention would pick flash (``cuda_kernel``: 16-bit, no mask, equal head dims of
+          at most 256 and a multiple of 8, an sm80 or newer GPU, and flash not switched off
+          by ``torch.backends.cuda.enable_flash_sdp(False)``); otherwise
+          ``aten._scaled_dot_product_efficient_attention`` and its backward (they take a mask;
+          their ``lse`` is padded to a multiple of 32 rows, cut here and padded back). The
+          kernel reads the mask as a bias of [B, H, S, T] in the query's dtype, each row
+          starting 16-element aligned (``efficient_bias``: the mask expanded, not copied,
+          and its columns padded first where T is not a multiple of 16, as torch's own
+          ``scaled_dot_product_attention`` prepares it).
 Grouped-query key/value heads are repeated to H before the kernel and their gradients summed
 back over each group.
 
@@ -67,6 +75,8 @@ from torch import Tensor
 
 __all__ = [
     "after",
+    "cuda_kernel",
+    "efficient_bias",
     "in_layout_of",
     "key_blocks",
     "lse_dtype",
@@ -112,6 +122,44 @@ def _sum_groups(t: Tensor, groups: int) -> Tensor:
     return t.view(b, h // groups, groups, s, d).sum(dim=2)
 
 
+BIAS_ALIGN = 16
+"""Elements each row of the memory-efficient kernel's bias starts on (torch pads to it)."""
+
+
+def efficient_bias(mask: Tensor | None, q: Tensor, k: Tensor) -> Tensor | None:
+    """``mask`` as the CUDA memory-efficient kernel reads it (module docstring): a view of
+    shape [B, H, S, T] in ``q``'s dtype whose rows start ``BIAS_ALIGN``-aligned. A mask that
+    broadcasts over batch or heads stays broadcast (stride 0), so it costs no memory."""
+    if mask is None:
+        return None
+    b, h, s, _ = q.shape
+    t = k.shape[2]
+    bias = mask.to(q.dtype)
+    while bias.dim() < 4:  # broadcast from the right, as attention's mask is
+        bias = bias.unsqueeze(0)
+    if t % BIAS_ALIGN or bias.stride(-2) % BIAS_ALIGN:  # rows must start aligned
+        pad = -t % BIAS_ALIGN
+        bias = F.pad(bias.expand(bias.shape[0], bias.shape[1], s, t), (0, pad))[..., :t]
+    return bias.expand(b, h, s, t)
+
+
+def cuda_kernel(q: Tensor, v: Tensor, mask: Tensor | None) -> str:
+    """``"flash"`` or ``"efficient"``: the kernel ``sdpa`` (and its backward, on the same
+    inputs) runs on CUDA, as torch's attention chooses between the two (module docstring)."""
+    d = q.shape[-1]
+    if (
+        mask is None
+        and q.dtype in (torch.float16, torch.bfloat16)
+        and d == v.shape[-1]
+        and d % 8 == 0
+        and d <= 256
+        and torch.backends.cuda.flash_sdp_enabled()
+        and torch.cuda.get_device_capability(q.device)[0] >= 8
+    ):
+        return "flash"
+    return "efficient"
+
+
 def _lse_rows(lse: Tensor, rows: int) -> Tensor:
     return lse[..., :rows].contiguous()
 
@@ -123,9 +171,16 @@ def sdpa(
     """Attention of ``q`` over ``k``/``v`` (module docstring): the output and the row lse."""
     groups = q.shape[1] // k.shape[1]
     k, v = _repeat_kv(k, groups), _repeat_kv(v, groups)
+    # NOTE: the kernels by their ATen names: torch's public attention returns no log-sum-exp,
+    # which the backward and the ring's merges read (tests/unit/test_torch_internals.py)
+    if q.device.type == "cuda" and cuda_kernel(q, v, mask) == "flash":
+        out, lse = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, scale=scale)[
+            :2
+        ]
+        return out, _lse_rows(lse, q.shape[2])
     if q.device.type == "cuda":
         out, lse, _, _ = aten._scaled_dot_product_efficient_attention(
-            q, k, v, mask, True, 0.0, is_causal, scale=scale
+            q, k, v, efficient_bias(mask, q, k), True, 0.0, is_causal, scale=scale
         )
         return out, _lse_rows(lse, q.shape[2])
     out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
@@ -161,7 +216,26 @@ def sdpa_backward(
     """Gradients of ``sdpa`` with respect to ``q``, ``k`` and ``v``."""
     groups = q.shape[1] // k.shape[1]
     kr, vr = _repeat_kv(k, groups), _repeat_kv(v, groups)
-    if q.device.type == "cuda":
+    if q.device.type == "cuda" and cuda_kernel(q, v, mask) == "flash":
+        zero = torch.zeros((), dtype=torch.int64, device=q.device)  # no dropout: unread
+        dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
+            grad_out.contiguous(),
+            q,
+            kr,
+            vr,
+            out,
+            lse,
+            None,  # not variable-length: the cumulative lengths are undefined tensors
+            None,
+            q.shape[2],
+            kr.shape[2],
+            0.0,
+            is_causal,
+            zero,
+            zero,
+            scale=scale,
+        )
+    elif q.device.type == "cuda":
         rows = 32 * math.ceil(q.shape[2] / 32)
         padded = F.pad(lse, (0, rows - lse.shape[-1]))
         zero = torch.zeros((), dtype=torch.int64, device=q.device)
@@ -170,7 +244,7 @@ def sdpa_backward(
             q,
             kr,
             vr,
-            mask,
+            efficient_bias(mask, q, kr),
             out,
             padded,
             zero,

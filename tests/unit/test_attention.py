@@ -252,8 +252,10 @@ def test_hf_causal_model_traces_is_causal_attention_without_a_mask():
     # passes/trace makes it skip as in eager (the names it swaps must exist)
     import transformers.masking_utils as masking
 
-    assert hasattr(masking, "is_torchdynamo_exporting")
+    # the names _masks_as_eager swaps: the packed-sequence finder, and what asks whether a
+    # mask may be skipped (is_torchdynamo_exporting in most releases, is_tracing in 5.17)
     assert hasattr(masking, "find_packed_sequence_indices")
+    assert hasattr(masking, "is_torchdynamo_exporting") or hasattr(masking, "is_tracing")
     model = _llama("sdpa")
     tokens = torch.zeros(2, 32, dtype=torch.long, device="meta")
     with contextlib.ExitStack() as stack:
@@ -266,8 +268,35 @@ def test_hf_causal_model_traces_is_causal_attention_without_a_mask():
         mask, is_causal = n.args[3], n.args[4]
         assert mask is None and is_causal is True
     # and the library's own export path is untouched afterwards
-    assert masking.is_torchdynamo_exporting is not None
     assert masking.find_packed_sequence_indices.__module__ == "transformers.masking_utils"
+    for name in ("is_torchdynamo_exporting", "is_tracing"):
+        if hasattr(masking, name):
+            assert getattr(masking, name).__module__ == "transformers.utils.import_utils"
+
+
+def test_a_release_that_asks_is_tracing_of_no_mask_skips_it_as_eager(monkeypatch):
+    # transformers 5.17 asks is_tracing(padding_mask) before skipping a causal mask, which
+    # export makes true even with no padding mask: the SDPA models were traced with a
+    # [B, 1, S, T] mask, which the CUDA kernel then refused
+    import sys
+    import types
+
+    from autopar.passes.trace import _masks_as_eager
+
+    seen = []
+    fake = types.SimpleNamespace(
+        is_tracing=lambda tensor=None: seen.append(tensor) or True,
+        find_packed_sequence_indices=lambda ids: ids,
+    )
+    monkeypatch.setitem(sys.modules, "transformers.masking_utils", fake)
+    real = fake.is_tracing
+    padding = torch.ones(2, 8, dtype=torch.bool)
+    with _masks_as_eager(types.SimpleNamespace(inputs=())):
+        assert fake.is_tracing(None) is False and fake.is_tracing() is False
+        assert fake.is_tracing(padding) is True  # a given mask is still traced
+        assert fake.find_packed_sequence_indices(torch.arange(8)[None]) is None
+    assert seen == [padding]
+    assert fake.is_tracing is real
 
 
 def test_position_ids_given_by_the_user_keep_the_packed_sequence_mask():
@@ -287,6 +316,88 @@ def test_position_ids_given_by_the_user_keep_the_packed_sequence_mask():
         calls = [n for n in step.gm.graph.nodes if n.target == SDPA]
     # packed sequences cannot be told from traced ids: the library's mask stays
     assert calls and all(n.args[3] is not None for n in calls)
+
+
+@pytest.mark.parametrize("t", [8, 20])
+@pytest.mark.parametrize(
+    "mask_shape", [(2, 1, 8, None), (1, 1, 8, None), (8, None), (2, 1, 1, None)]
+)
+def test_the_mask_reaches_the_cuda_kernel_as_its_bias(mask_shape, t):
+    # the memory-efficient kernel reads [B, H, S, T] in the query's dtype, each row 16-aligned
+    # (it refused HF's [B, 1, S, T] float mask: "attn_bias: wrong shape (head dimension)")
+    q = torch.randn(2, 4, 8, 16, dtype=torch.bfloat16)
+    k = torch.randn(2, 2, t, 16, dtype=torch.bfloat16)
+    mask = torch.randn(*(t if d is None else d for d in mask_shape))
+    bias = ops.efficient_bias(mask, q, k)
+    assert bias is not None
+    assert bias.shape == (2, 4, 8, t) and bias.dtype == torch.bfloat16
+    assert bias.stride(-1) == 1 and bias.stride(-2) % ops.BIAS_ALIGN == 0
+    assert bias.stride(0) % ops.BIAS_ALIGN == 0 and bias.stride(1) % ops.BIAS_ALIGN == 0
+    torch.testing.assert_close(bias, mask.to(torch.bfloat16).expand(2, 4, 8, t))
+    if t % ops.BIAS_ALIGN == 0 and mask_shape[0] != 8:
+        assert bias.untyped_storage().nbytes() == mask.numel() * 2  # broadcast, not copied
+    assert ops.efficient_bias(None, q, k) is None
+
+
+def test_cuda_attention_takes_flash_only_where_torch_would():
+    q16 = torch.randn(1, 2, 8, 64, dtype=torch.bfloat16)
+    mask = torch.zeros(8, 8)
+    assert ops.cuda_kernel(q16, q16, mask) == "efficient"  # flash takes no mask
+    assert ops.cuda_kernel(q16.float(), q16.float(), None) == "efficient"  # 16-bit only
+    odd = torch.randn(1, 2, 8, 12, dtype=torch.bfloat16)
+    assert ops.cuda_kernel(odd, odd, None) == "efficient"  # head dim a multiple of 8
+    assert ops.cuda_kernel(q16, torch.randn(1, 2, 8, 32, dtype=torch.bfloat16), None) == (
+        "efficient"
+    )
+    enabled = torch.backends.cuda.flash_sdp_enabled()
+    torch.backends.cuda.enable_flash_sdp(False)  # the user's switch is torch's own
+    try:
+        assert ops.cuda_kernel(q16, q16, None) == "efficient"
+    finally:
+        torch.backends.cuda.enable_flash_sdp(enabled)
+    if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 8:
+        assert ops.cuda_kernel(q16.cuda(), q16.cuda(), None) == "flash"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA kernels")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("kv,d", [(4, 64), (2, 128)])
+def test_autopar_sdpa_without_a_mask_equals_torch_attention_on_cuda(dtype, causal, kv, d):
+    q, k, v = (x.detach().cuda().to(dtype).requires_grad_() for x in _qkv(kv=kv, s=72, t=72, d=d))
+    exact = [x.detach().double().requires_grad_() for x in (q, k, v)]  # the reference
+    want = F.scaled_dot_product_attention(*exact, is_causal=causal, enable_gqa=kv != 4)
+    got, _ = _lower_sdpa(q, k, v, is_causal=causal, enable_gqa=kv != 4)
+    _near(got, want)
+    grad = torch.randn_like(want)
+    for a, b in zip(
+        torch.autograd.grad(got, (q, k, v), grad.to(dtype)), torch.autograd.grad(want, exact, grad)
+    ):
+        _near(a, b)
+
+
+def _near(got, want, rel=2e-2):
+    """Within ``rel`` of ``want`` in norm: 16-bit rounding passes, a wrong layout does not."""
+    err = (got.double() - want).norm() / want.norm()
+    assert err < rel, f"relative error {err:.3g}"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA kernel")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_autopar_sdpa_with_a_mask_equals_torch_attention_on_cuda(dtype):
+    q, k, v = (x.detach().cuda().to(dtype).requires_grad_() for x in _qkv(kv=2, s=40, t=40))
+    mask = torch.randn(2, 1, 40, 40, device="cuda")  # 40 keys: rows padded to 48
+    exact = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    want = F.scaled_dot_product_attention(
+        *exact, attn_mask=mask.to(dtype).double(), enable_gqa=True
+    )
+    got, _ = _lower_sdpa(q, k, v, attn_mask=mask, enable_gqa=True)
+    _near(got, want)
+    grad = torch.randn_like(want)
+    for a, b in zip(
+        torch.autograd.grad(got, (q, k, v), grad.to(dtype)), torch.autograd.grad(want, exact, grad)
+    ):
+        _near(a, b)
 
 
 @pytest.mark.parametrize(

@@ -145,3 +145,33 @@ def test_make_fx_records_which_interpreted_node_made_each_node():
     names = {n.name for n in gm.graph.nodes}
     assert made and set(made.values()) <= names
     assert "_0" in set(made.values()) and "_1" in set(made.values())  # the linear, the relu
+
+
+def test_the_attention_kernels_autopar_sdpa_calls_take_what_core_ops_passes():
+    # core/ops.py calls the device's kernels by their ATen names: torch's public attention
+    # returns no log-sum-exp, which the backward and the ring's merges read
+    aten = torch.ops.aten
+
+    def args(op):
+        return [a.name for a in op.default._schema.arguments]
+
+    assert args(aten._scaled_dot_product_flash_attention)[:5] == [
+        "query", "key", "value", "dropout_p", "is_causal"
+    ]  # fmt: skip
+    assert [r.name for r in aten._scaled_dot_product_flash_attention.default._schema.returns][
+        :2
+    ] == ["output", "logsumexp"]
+    assert args(aten._scaled_dot_product_flash_attention_backward) == [
+        "grad_out", "query", "key", "value", "out", "logsumexp", "cum_seq_q", "cum_seq_k",
+        "max_q", "max_k", "dropout_p", "is_causal", "philox_seed", "philox_offset", "scale",
+    ]  # fmt: skip
+    assert args(aten._scaled_dot_product_efficient_attention)[:7] == [
+        "query", "key", "value", "attn_bias", "compute_log_sumexp", "dropout_p", "is_causal"
+    ]  # fmt: skip
+    assert args(aten._scaled_dot_product_efficient_attention_backward)[:9] == [
+        "grad_out_", "query", "key", "value", "attn_bias", "out", "logsumexp", "philox_seed",
+        "philox_offset",
+    ]  # fmt: skip
+    assert args(aten._scaled_dot_product_flash_attention_for_cpu)[:5] == [
+        "query", "key", "value", "dropout_p", "is_causal"
+    ]  # fmt: skip
