@@ -11,7 +11,8 @@ What is measured, each after warm-up:
                         (2 n^3 FLOPs, FLOP/s) of ``kernel_rates["matmul"]``; the fastest rate
                         of each dtype is its ``peak_flops``
     attention curves    autopar's sdpa and sdpa_backward (the kernels the emitted step runs,
-                        core/ops.py) for growing sequence lengths, causal: points of
+                        core/ops.py) for growing sequence lengths, causal, batch 1 (and on
+                        CUDA a batch of 16384 tokens too): points of
                         ``kernel_rates["attention"]`` / ``["attention_backward"]``
     mem_bandwidth       a clone of a large tensor: bytes read + written over its time
     kernel_launch       a one-element add, as the emitted step runs one op of its graph
@@ -115,6 +116,9 @@ _PLANS = {
     ),
     "quick": ((32, 64, 128), (64, 128), (2**12, 2**18, 2**22), 3, 0.0),
 }
+
+ATTENTION_TOKENS = 16384
+"""Tokens of the filling batch the CUDA attention curve also times (``measure_attention``)."""
 
 Sample = tuple[str, int, float, float]
 """One collective measured: ``(kind, ranks, bytes as the cost model counts them, seconds)``."""
@@ -320,10 +324,15 @@ def measure_attention(
     seconds: float = 0.0,
 ) -> tuple[tuple[tuple[float, float], ...], tuple[tuple[float, float], ...]]:
     """Forward and backward ``(FLOPs, FLOP/s)`` points of autopar's causal sdpa, 8 heads of
-    64, batch 1, timed in rounds over at least ``seconds`` (``_spread_medians``)."""
+    64, timed in rounds over at least ``seconds`` (``_spread_medians``): batch 1 at each
+    length, and on CUDA also the batch of ``ATTENTION_TOKENS`` tokens (a training batch
+    fills the device; one sequence of 512 runs on a few of its multiprocessors)."""
     calls, flops = [], []
-    for s in seqs:
-        shape = (1, 8, s, 64)
+    shapes = [(1, s) for s in seqs]
+    if device.type == "cuda":
+        shapes += [(ATTENTION_TOKENS // s, s) for s in seqs if ATTENTION_TOKENS // s > 1]
+    for batch, s in shapes:
+        shape = (batch, 8, s, 64)
         q, k, v = (torch.randn(shape, device=device).to(dtype) for _ in range(3))
         scale = 1 / math.sqrt(64)
         out, lse = ops.sdpa(q, k, v, None, True, scale)
@@ -337,7 +346,19 @@ def measure_attention(
         (f, _rate(f, t, launch))
         for f, t in zip(flops, _spread_medians(calls, device, reps, seconds))
     ]
-    return tuple(points[0::2]), tuple(points[1::2])
+    return curve(points[0::2]), curve(points[1::2])
+
+
+def curve(points: Sequence[tuple[float, float]]) -> tuple[tuple[float, float], ...]:
+    """``(FLOPs, FLOP/s)`` points in order of FLOPs, those of equal FLOPs (one long sequence
+    and a batch of shorter ones) as one, at the geometric mean of their rates."""
+    merged: dict[float, list[float]] = {}
+    for flops, rate in points:
+        merged.setdefault(flops, []).append(rate)
+    return tuple(
+        (f, rs[0] if len(rs) == 1 else statistics.geometric_mean(rs))
+        for f, rs in sorted(merged.items())
+    )
 
 
 def _collective_rank(rank: int, world: int, sizes: Sequence[int], reps: int, device_type: str):
@@ -491,7 +512,7 @@ def calibrate(
     *,
     base: str | None = None,
     name: str | None = None,
-    nproc: int = 2,
+    nproc: int | None = None,
     quick: bool = False,
     device: str | None = None,
     log: Callable[[str], None] = lambda _: None,
@@ -500,6 +521,14 @@ def calibrate(
     (the samples, the fit and its errors) for a report."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     base_profile = get_profile(base or ("h100" if dev.type == "cuda" else "cpu"))
+    local = torch.cuda.device_count() if dev.type == "cuda" else None
+    if nproc is None:  # two ranks, or the one GPU there is
+        nproc = 2 if local is None else min(2, local)
+    if nproc < 1 or (local is not None and nproc > local):
+        raise ValueError(
+            f"nproc {nproc}: between 1 and {local or 'any number of'} local ranks "
+            f"({'one per GPU' if local is not None else 'gloo processes'})"
+        )
     sizes, seqs, coll_sizes, reps, spread = _PLANS["quick" if quick else dev.type]
     threads = torch.get_num_threads()
     if dev.type == "cpu":
@@ -522,7 +551,7 @@ def calibrate(
             rates.append(("matmul", dtype_name, curve))
             peaks.append((dtype_name, max(r for _, r in curve)))
             log(f"matmul {dtype_name}: " + ", ".join(f"{r / 1e9:.0f}" for _, r in curve) + " GF/s")
-        attn_dtypes = ("float32",) if dev.type == "cpu" else ("bfloat16", "float16")
+        attn_dtypes = ("float32",) if dev.type == "cpu" else ("bfloat16", "float16", "float32")
         for dtype_name in attn_dtypes:
             fwd, bwd = measure_attention(
                 dev, getattr(torch, dtype_name), seqs, reps, launch, spread
@@ -543,17 +572,28 @@ def calibrate(
             f"runtime per step {step_overhead * 1e6:.0f} us and {param_overhead * 1e6:.1f} us "
             "per parameter"
         )
-    # collectives vary most from call to call (a peer and threads sharing the cores)
-    samples = measure_collectives(nproc, coll_sizes, 6 * reps, device_type=dev.type)
-    overhead, latency, link_bw = fit_link(samples)
-    scale = kind_scales(samples, overhead, latency, link_bw)
-    errors = link_errors(samples, overhead, latency, link_bw, scale)
-    log(
-        f"collectives on {nproc} ranks: overhead {overhead * 1e6:.1f} us, step latency "
-        f"{latency * 1e6:.1f} us, bandwidth {link_bw / 1e9:.2f} GB/s, by kind x "
-        + ", ".join(f"{k} {f:.2f}" for k, f in scale)
-        + f" (fit error at most {max(abs(e) for e in errors):.0%})"
+    samples: list[Sample] = []
+    errors: list[float] = []
+    overhead, latency, link_bw = (
+        base_profile.collective_overhead,
+        base_profile.intra_node_latency,
+        base_profile.intra_node_bandwidth,
     )
+    scale = base_profile.collective_scale
+    if nproc > 1:  # one rank has no link to measure (a one-GPU machine): the base's
+        # collectives vary most from call to call (a peer and threads sharing the cores)
+        samples = measure_collectives(nproc, coll_sizes, 6 * reps, device_type=dev.type)
+        overhead, latency, link_bw = fit_link(samples)
+        scale = kind_scales(samples, overhead, latency, link_bw)
+        errors = link_errors(samples, overhead, latency, link_bw, scale)
+        log(
+            f"collectives on {nproc} ranks: overhead {overhead * 1e6:.1f} us, step latency "
+            f"{latency * 1e6:.1f} us, bandwidth {link_bw / 1e9:.2f} GB/s, by kind x "
+            + ", ".join(f"{k} {f:.2f}" for k, f in scale)
+            + f" (fit error at most {max(abs(e) for e in errors):.0%})"
+        )
+    else:
+        log(f"one rank: no link to measure; the intra-node link is {base_profile.name!r}'s")
     host = platform.node() or "this machine"
     what = torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor()
     when = datetime.date.today().isoformat()
@@ -582,9 +622,13 @@ def calibrate(
             f"{torch.__version__}{', quick' if quick else ''}: matmul and attention curves, "
             f"memory bandwidth, kernel launch"
             f"{', the host time of views and of the runtime per step' if host_costs else ''} "
-            f"and the intra-node link "
-            f"({'NCCL' if dev.type == 'cuda' else 'gloo'}, {nproc} ranks) measured; the "
-            f"inter-node link, the memory reserve and the all-reduce algorithms are profile "
+            + (
+                f"and the intra-node link ({'NCCL' if dev.type == 'cuda' else 'gloo'}, "
+                f"{nproc} ranks) measured; the inter-node link"
+                if nproc > 1
+                else "measured (one rank); the intra-node and inter-node links"
+            )
+            + f", the memory reserve and the all-reduce algorithms are profile "
             f"{base_profile.name!r}'s"
         ),
     )

@@ -687,7 +687,11 @@ def main(argv=None) -> int:
     )
     pc.add_argument("--name", default=None, help="the profile's name (default: device-host)")
     pc.add_argument(
-        "--nproc", type=_count, default=2, help="local processes for the collectives (default 2)"
+        "--nproc",
+        type=_count,
+        default=None,
+        help="local processes for the collectives (default 2; on CUDA, 2 or the one GPU); "
+        "1 measures no link and keeps the base profile's",
     )
     pc.add_argument("--quick", action="store_true", help="few small sizes (seconds, rough)")
     pc.set_defaults(fn=cmd_calibrate)

@@ -136,3 +136,18 @@ def test_a_bad_profile_is_a_one_line_error(tmp_path, capsys):
     assert main(["plan", "mlp", "--mesh", "2", "--profile", str(path)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "bad.json" in err and "not a device profile" in err
+
+
+def test_a_curve_is_in_order_of_flops_with_equal_flops_as_one_point():
+    from autopar.calibrate import curve
+
+    # batch 1 at 4096 and batch 16 at 1024 do the same FLOPs at different rates (CUDA)
+    points = [(4.0, 10.0), (1.0, 2.0), (2.0, 4.0), (2.0, 9.0)]
+    assert curve(points) == ((1.0, 2.0), (2.0, pytest.approx(6.0)), (4.0, 10.0))
+
+
+def test_calibrate_refuses_a_rank_count_it_cannot_run():
+    from autopar.calibrate import calibrate
+
+    with pytest.raises(ValueError, match="nproc 0"):
+        calibrate(nproc=0, quick=True, device="cpu")
