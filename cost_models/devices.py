@@ -289,8 +289,9 @@ _H100_SOURCE = (
     "total bidirectional per GPU, 8 GPUs per HGX/DGX H100 node; InfiniBand NDR 400 Gb/s, one "
     "ConnectX-7 per GPU (DGX H100 user guide). What runs reaches less, and those numbers are "
     "published measurements or estimates, each marked at its field: the best cuBLAS BF16 "
-    "GEMMs sustain ~790 TF; the memory-efficient attention kernel autopar's sdpa runs on CUDA "
-    "about half of FlashAttention-2's ~350 TF forward (estimate); "
+    "GEMMs sustain ~790 TF; the attention curves are `autopar calibrate` measured on an H200 "
+    "(the same GH100 chip, 132 SMs at up to 1980 MHz, with faster memory), torch 2.11, "
+    "2026-11-26: flash attention reaches 231 TF forward; "
     "NCCL over NDR reaches 46-48 GB/s of bus bandwidth; the smallest all-reduce over 64 "
     "ranks (8 nodes) takes ~47 us. `autopar calibrate` on the machine measures them."
 )
@@ -302,12 +303,23 @@ _H100_MATMUL_BF16 = ((2.7e8, 80e12), (2.1e9, 300e12), (1.7e10, 580e12), (1.4e11,
                      (1.1e12, 790e12))  # fmt: skip
 # float32 without TF32 (torch's default precision "highest") runs on the CUDA cores
 _H100_MATMUL_F32 = ((2.7e8, 10e12), (2.1e9, 25e12), (1.7e10, 45e12), (1.4e11, 51e12))
-# the kernel autopar::sdpa calls on CUDA (core/ops.py): torch's memory-efficient attention
-# (CUTLASS code written for sm80), estimated at about half of FlashAttention-2's ~350 TF
-# forward on H100 at long sequences, its backward ~0.7 of its forward; short sequences far
-# less (estimates)
-_H100_ATTN_FWD = ((1e9, 60e12), (1e11, 170e12), (1e12, 200e12))
-_H100_ATTN_BWD = ((1e9, 40e12), (1e11, 120e12), (1e12, 140e12))
+# measured: the kernels autopar::sdpa calls on CUDA (core/ops.py), by ``autopar calibrate``
+# on an H200 (the H100 SXM's GH100 chip: 132 SMs at up to 1980 MHz, so its compute-bound
+# kernels run as an H100 SXM's; only its memory is faster), torch 2.11, 2026-11-26: causal,
+# 8 heads of 64, batch 1 and batches of 16384 tokens, the median call less the launch cost,
+# timed in rounds: flash attention in 16 bits, the memory-efficient kernel in float32
+_H100_ATTN_FWD = ((2.7e8, 5e12), (1.1e9, 20e12), (4.3e9, 67e12), (8.6e9, 96e12),
+                  (1.7e10, 132e12), (3.4e10, 185e12), (6.9e10, 197e12),
+                  (1.4e11, 231e12))  # fmt: skip
+_H100_ATTN_BWD = ((6.7e8, 7e12), (2.7e9, 25e12), (1.1e10, 72e12), (2.1e10, 84e12),
+                  (4.3e10, 127e12), (8.6e10, 165e12), (1.7e11, 200e12),
+                  (3.4e11, 228e12))  # fmt: skip
+_H100_ATTN_FWD_F32 = ((2.7e8, 3e12), (1.1e9, 8e12), (4.3e9, 14e12), (8.6e9, 23e12),
+                      (1.7e10, 24e12), (3.4e10, 28e12), (6.9e10, 28e12),
+                      (1.4e11, 30e12))  # fmt: skip
+_H100_ATTN_BWD_F32 = ((6.7e8, 3e12), (2.7e9, 8e12), (1.1e10, 15e12), (2.1e10, 20e12),
+                      (4.3e10, 23e12), (8.6e10, 29e12), (1.7e11, 30e12),
+                      (3.4e11, 32e12))  # fmt: skip
 
 _CPU_SOURCE = (
     "Rough estimate for a small CPU box running gloo, not a datasheet: FLOP/s measured "
@@ -357,8 +369,10 @@ PROFILES: dict[str, DeviceProfile] = {
             ("matmul", "float32", _H100_MATMUL_F32),
             ("attention", "bfloat16", _H100_ATTN_FWD),
             ("attention", "float16", _H100_ATTN_FWD),
+            ("attention", "float32", _H100_ATTN_FWD_F32),
             ("attention_backward", "bfloat16", _H100_ATTN_BWD),
             ("attention_backward", "float16", _H100_ATTN_BWD),
+            ("attention_backward", "float32", _H100_ATTN_BWD_F32),
         ),
         collective_overhead=5e-6,  # estimate: launching an NCCL kernel and its handshake
         all_reduce_algorithms=("ring", "tree"),  # NCCL picks per size
