@@ -73,6 +73,17 @@ def _on_gloo(plan) -> dict:
     return out
 
 
+def _backward_step(pm, local):
+    """One forward and backward of ``pm`` on the local batch, the gradients let go after."""
+
+    def step():
+        pm(*local).backward()
+        for p in pm.parameters():
+            p.grad = None
+
+    return step
+
+
 def _measure(rank, world, profile_path, example, mesh_shape, fraction, steps, seconds, backend):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -102,13 +113,7 @@ def _measure(rank, world, profile_path, example, mesh_shape, fraction, steps, se
             device=name,
             memory_fraction=fraction,
         )
-    local = pm.shard_inputs(*inputs, *targets)
-
-    def step():
-        pm(*local).backward()
-        for p in pm.parameters():
-            p.grad = None
-
+    step = _backward_step(pm, pm.shard_inputs(*inputs, *targets))
     for _ in range(3):
         step()
     counted = CollectiveBytes(mesh)
@@ -227,13 +232,7 @@ def _measure_gpu(rank, world, profile_path, example, size, precision, seconds):
             if s.stream == COMPUTE:
                 kinds[_kernel_kind(s.what)] += s.dur_s
         predicted[name] = (step_length(spans), kinds)
-    local = pm.shard_inputs(*inputs, *targets)
-
-    def step():
-        pm(*local).backward()
-        for p in pm.parameters():
-            p.grad = None
-
+    step = _backward_step(pm, pm.shard_inputs(*inputs, *targets))
     for _ in range(3):
         step()
     torch.cuda.synchronize()

@@ -53,18 +53,13 @@ CHECKPOINTED = {case for case in CASES if case[1] == (2,) and case[2] is not Non
 """The cases whose plan must checkpoint (--check fails if it does not)."""
 
 
-def _measure(rank, world, example, mesh_shape, fraction, precision):
-    from torch.distributed.device_mesh import init_device_mesh
-
+def _compile(model, mesh, inputs, loss_fn, targets, fraction, precision):
+    """``autopar.compile`` of one case, its warnings (rules missing on a zoo model) quiet."""
     import autopar
-    from autopar.models import EXAMPLES
 
-    torch.manual_seed(0)
-    model, inputs, loss_fn, targets = EXAMPLES[example]()
-    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "tp")[: len(mesh_shape)])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        pm = autopar.compile(
+        return autopar.compile(
             model,
             mesh,
             inputs,
@@ -75,6 +70,17 @@ def _measure(rank, world, example, mesh_shape, fraction, precision):
             if precision == MIXED
             else None,
         )
+
+
+def _measure(rank, world, example, mesh_shape, fraction, precision):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autopar.models import EXAMPLES
+
+    torch.manual_seed(0)
+    model, inputs, loss_fn, targets = EXAMPLES[example]()
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "tp")[: len(mesh_shape)])
+    pm = _compile(model, mesh, inputs, loss_fn, targets, fraction, precision)
     local = pm.shard_inputs(*inputs, *targets)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, foreach=False)
 
@@ -127,6 +133,15 @@ GPU_CASES = [
 ]
 
 
+def _budget(fraction: float | None) -> str:
+    return "none" if fraction is None else f"{fraction:.0%} of one device"
+
+
+def _parts(step: dict, digits: int) -> str:
+    """The predicted breakdown at the peak, in MiB."""
+    return ", ".join(f"{k} {v / 2**20:.{digits}f}" for k, v in step["at_peak"].items() if v)
+
+
 def _last_line(e: BaseException) -> str:
     lines = [line for line in str(e).splitlines() if line.strip()]
     return lines[-1] if lines else type(e).__name__
@@ -146,25 +161,12 @@ def _measure_gpu(rank, world, example, size, fraction, precision):
 
     from torch.distributed.device_mesh import init_device_mesh
 
-    import autopar
     from autopar.models import EXAMPLES
 
     torch.manual_seed(0)
     model, inputs, loss_fn, targets = EXAMPLES[example](device="cuda", **dict(size))
     mesh = init_device_mesh("cuda", (world,), mesh_dim_names=("dp",))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        pm = autopar.compile(
-            model,
-            mesh,
-            inputs,
-            loss_fn=loss_fn,
-            example_targets=targets,
-            memory_fraction=fraction,
-            mp_policy=autopar.MixedPrecision(torch.bfloat16, torch.float32)
-            if precision == MIXED
-            else None,
-        )
+    pm = _compile(model, mesh, inputs, loss_fn, targets, fraction, precision)
     local = pm.shard_inputs(*inputs, *targets)
     del model, inputs, targets
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-4)  # torch's default: foreach on CUDA
@@ -227,13 +229,11 @@ def _gpu_table() -> float:
         predicted = step["peak_bytes"]
         ratio = predicted / r["backward"]
         worst = max(worst, abs(ratio - 1))
-        parts = ", ".join(f"{k} {v / 2**20:.0f}" for k, v in step["at_peak"].items() if v)
         print(
-            f"| {label} | {precision} | "
-            f"{'none' if fraction is None else f'{fraction:.0%} of one device'} | "
+            f"| {label} | {precision} | {_budget(fraction)} | "
             f"{r['recompute']} | {predicted / 2**20:.0f} | {r['backward'] / 2**20:.0f} | "
             f"{ratio:.3f} | {r['step'] / 2**20:.0f} | {r['outside'] / 2**20:.0f} | "
-            f"{step['peak_node']} | {parts} |",
+            f"{step['peak_node']} | {_parts(step, 0)} |",
             flush=True,
         )
     print()
@@ -277,12 +277,10 @@ def main(argv=None) -> int:
         predicted = step["peak_bytes"]
         ratio = predicted / measured
         worst = max(worst, abs(ratio - 1))
-        parts = ", ".join(f"{k} {v / 2**20:.2f}" for k, v in step["at_peak"].items() if v)
         print(
-            f"| {example} | {'x'.join(map(str, mesh_shape))} | {precision} | "
-            f"{'none' if fraction is None else f'{fraction:.0%} of one device'} | "
+            f"| {example} | {'x'.join(map(str, mesh_shape))} | {precision} | {_budget(fraction)} | "
             f"{checkpointed} | {predicted / 2**20:.3f} | {measured / 2**20:.3f} | {ratio:.3f} | "
-            f"{step['peak_node']} | {parts} |",
+            f"{step['peak_node']} | {_parts(step, 2)} |",
             flush=True,
         )
     if args.check and worst > TARGET:
