@@ -21,8 +21,9 @@ Kernels, by device:
     cpu   ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward.
     cuda  ``aten._scaled_dot_product_flash_attention`` and its backward where torch's own
           attention would pick flash (``cuda_kernel``: 16-bit, no mask, equal head dims of
-          at most 256 and a multiple of 8, an sm80 or newer GPU, and flash not switched off
-          by ``torch.backends.cuda.enable_flash_sdp(False)``); otherwise
+          at most 256 and a multiple of 8, as many keys as rows where causal, an sm80 or
+          newer GPU, and flash not switched off by
+          ``torch.backends.cuda.enable_flash_sdp(False)``); otherwise
           ``aten._scaled_dot_product_efficient_attention`` and its backward (they take a mask;
           their ``lse`` is padded to a multiple of 32 rows, cut here and padded back). The
           kernel reads the mask as a bias of [B, H, S, T] in the query's dtype, each row
@@ -143,12 +144,16 @@ def efficient_bias(mask: Tensor | None, q: Tensor, k: Tensor) -> Tensor | None:
     return bias.expand(b, h, s, t)
 
 
-def cuda_kernel(q: Tensor, v: Tensor, mask: Tensor | None) -> str:
+def cuda_kernel(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool) -> str:
     """``"flash"`` or ``"efficient"``: the kernel ``sdpa`` (and its backward, on the same
-    inputs) runs on CUDA, as torch's attention chooses between the two (module docstring)."""
+    inputs) runs on CUDA, as torch's attention chooses between the two (module docstring).
+    Flash aligns a causal mask bottom-right, the others top-left (what ``sdpa_rows`` and the
+    ring's diagonal blocks rely on): torch gives it no causal block of fewer or more keys
+    than rows, and neither does this."""
     d = q.shape[-1]
     if (
         mask is None
+        and not (is_causal and q.shape[2] != k.shape[2])
         and q.dtype in (torch.float16, torch.bfloat16)
         and d == v.shape[-1]
         and d % 8 == 0
@@ -173,7 +178,7 @@ def sdpa(
     k, v = _repeat_kv(k, groups), _repeat_kv(v, groups)
     # NOTE: the kernels by their ATen names: torch's public attention returns no log-sum-exp,
     # which the backward and the ring's merges read (tests/unit/test_torch_internals.py)
-    if q.device.type == "cuda" and cuda_kernel(q, v, mask) == "flash":
+    if q.device.type == "cuda" and cuda_kernel(q, k, v, mask, is_causal) == "flash":
         out, lse = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, scale=scale)[
             :2
         ]
@@ -216,7 +221,7 @@ def sdpa_backward(
     """Gradients of ``sdpa`` with respect to ``q``, ``k`` and ``v``."""
     groups = q.shape[1] // k.shape[1]
     kr, vr = _repeat_kv(k, groups), _repeat_kv(v, groups)
-    if q.device.type == "cuda" and cuda_kernel(q, v, mask) == "flash":
+    if q.device.type == "cuda" and cuda_kernel(q, kr, vr, mask, is_causal) == "flash":
         zero = torch.zeros((), dtype=torch.int64, device=q.device)  # no dropout: unread
         dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
             grad_out.contiguous(),

@@ -342,29 +342,38 @@ def test_the_mask_reaches_the_cuda_kernel_as_its_bias(mask_shape, t):
 def test_cuda_attention_takes_flash_only_where_torch_would():
     q16 = torch.randn(1, 2, 8, 64, dtype=torch.bfloat16)
     mask = torch.zeros(8, 8)
-    assert ops.cuda_kernel(q16, q16, mask) == "efficient"  # flash takes no mask
-    assert ops.cuda_kernel(q16.float(), q16.float(), None) == "efficient"  # 16-bit only
-    odd = torch.randn(1, 2, 8, 12, dtype=torch.bfloat16)
-    assert ops.cuda_kernel(odd, odd, None) == "efficient"  # head dim a multiple of 8
-    assert ops.cuda_kernel(q16, torch.randn(1, 2, 8, 32, dtype=torch.bfloat16), None) == (
-        "efficient"
-    )
+
+    def kernel(q, k=None, v=None, mask=None, causal=False):
+        k = q if k is None else k
+        return ops.cuda_kernel(q, k, k if v is None else v, mask, causal)
+
+    assert kernel(q16, mask=mask) == "efficient"  # flash takes no mask
+    assert kernel(q16.float()) == "efficient"  # 16-bit only
+    assert kernel(torch.randn(1, 2, 8, 12, dtype=torch.bfloat16)) == "efficient"  # 8 | d
+    assert kernel(q16, v=torch.randn(1, 2, 8, 32, dtype=torch.bfloat16)) == "efficient"
+    # a causal block with other than one key per row: flash would align it bottom-right
+    # (sdpa_rows' and the ring's diagonal blocks are top-left)
+    fewer = torch.randn(1, 2, 4, 64, dtype=torch.bfloat16)
+    assert kernel(q16, k=fewer, causal=True) == "efficient"
     enabled = torch.backends.cuda.flash_sdp_enabled()
     torch.backends.cuda.enable_flash_sdp(False)  # the user's switch is torch's own
     try:
-        assert ops.cuda_kernel(q16, q16, None) == "efficient"
+        assert kernel(q16) == "efficient"
     finally:
         torch.backends.cuda.enable_flash_sdp(enabled)
     if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 8:
-        assert ops.cuda_kernel(q16.cuda(), q16.cuda(), None) == "flash"
+        assert kernel(q16.cuda()) == "flash"
+        assert kernel(q16.cuda(), k=fewer.cuda()) == "flash"  # not causal: any keys
+        assert kernel(q16.cuda(), k=fewer.cuda(), causal=True) == "efficient"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA kernels")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("kv,d", [(4, 64), (2, 128)])
-def test_autopar_sdpa_without_a_mask_equals_torch_attention_on_cuda(dtype, causal, kv, d):
-    q, k, v = (x.detach().cuda().to(dtype).requires_grad_() for x in _qkv(kv=kv, s=72, t=72, d=d))
+@pytest.mark.parametrize("s,t", [(72, 72), (40, 72)])  # a block of rows: causal is top-left
+def test_autopar_sdpa_without_a_mask_equals_torch_attention_on_cuda(dtype, causal, kv, d, s, t):
+    q, k, v = (x.detach().cuda().to(dtype).requires_grad_() for x in _qkv(kv=kv, s=s, t=t, d=d))
     exact = [x.detach().double().requires_grad_() for x in (q, k, v)]  # the reference
     want = F.scaled_dot_product_attention(*exact, is_causal=causal, enable_gqa=kv != 4)
     got, _ = _lower_sdpa(q, k, v, is_causal=causal, enable_gqa=kv != 4)
