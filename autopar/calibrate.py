@@ -31,7 +31,9 @@ What is measured, each after warm-up:
                         (``fit_link``), giving ``collective_overhead``,
                         ``intra_node_latency`` and ``intra_node_bandwidth``; then per kind
                         the geometric mean of measured over fitted (``kind_scales``,
-                        ``collective_scale``: a library may run a kind by another algorithm)
+                        ``collective_scale``: a library may run a kind by another algorithm);
+                        with one rank (a one-GPU machine) there is no link to measure, and
+                        the base profile's stays
     host time (CPU)     a chain of views run as the step runs its graph (``view_launch``);
                         two chains of tiny layers compiled by autopar and timed as a
                         training loop steps them on N ranks side by side (the mean step,
