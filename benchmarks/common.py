@@ -1,4 +1,5 @@
-"""What every benchmark prints first: the machine and versions, then the table's head."""
+"""What every benchmark prints first (the machine and versions, then the table's head), and
+what several share: the GPU-sized models, the mixed precision, a failed case's line."""
 
 from __future__ import annotations
 
@@ -16,3 +17,39 @@ def print_header(settings: str, columns: list[str]) -> None:
     print()
     print("| " + " | ".join(columns) + " |")
     print("|" + "---|" * len(columns))
+
+
+MIXED = "bf16-mixed"
+"""float32 parameters and AdamW state, bf16 compute, float32 reduction (``mp_policy``)."""
+
+GPU_MODELS = {
+    "hf-llama 4x1024, seq 1024, batch 8": (
+        "hf-llama",
+        dict(layers=4, hidden=1024, heads=16, kv_heads=4, ffn=4096, vocab=32000, seq=1024, batch=8),
+    ),
+    "gpt 4x1024 (sdpa), seq 1024, batch 8": (
+        "gpt",
+        dict(layers=4, hidden=1024, heads=16, ffn=4096, vocab=32000, seq=1024, sdpa=True, batch=8),
+    ),
+    "Llama-3.2-1B shapes, 8 layers, seq 2048, batch 4": (
+        "hf-llama",
+        dict(
+            layers=8, hidden=2048, heads=32, kv_heads=8, ffn=8192, vocab=128256, seq=2048, batch=4
+        ),
+    ),
+}
+"""Zoo models sized for a GPU, by label: ``(example, its size)`` (the CUDA tables of
+cost_fidelity and memory_check)."""
+
+
+def mp_policy(precision: str):
+    """``autopar.MixedPrecision`` for ``MIXED``, None for fp32."""
+    import autopar
+
+    return autopar.MixedPrecision(torch.bfloat16, torch.float32) if precision == MIXED else None
+
+
+def last_line(e: BaseException) -> str:
+    """A failed case's error in one line (a process's traceback ends with it)."""
+    lines = [line for line in str(e).splitlines() if line.strip()]
+    return lines[-1] if lines else type(e).__name__

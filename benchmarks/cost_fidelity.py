@@ -46,6 +46,7 @@ import warnings
 from pathlib import Path
 
 import torch
+from common import GPU_MODELS, MIXED, last_line, mp_policy, print_header
 
 from autopar.runtime import run_local
 
@@ -151,36 +152,14 @@ def _measure(rank, world, profile_path, example, mesh_shape, fraction, steps, se
     }
 
 
-MIXED = "bf16-mixed"
+LLAMA, GPT, LLAMA_1B = GPU_MODELS
 GPU_CASES = [
     # (label, example, its size, precision)
     ("hf-llama, zoo size (launch-bound)", "hf-llama", {}, "fp32"),
-    (
-        "hf-llama 4x1024, seq 1024, batch 8",
-        "hf-llama",
-        dict(layers=4, hidden=1024, heads=16, kv_heads=4, ffn=4096, vocab=32000, seq=1024, batch=8),
-        MIXED,
-    ),
-    (
-        "gpt 4x1024 (sdpa), seq 1024, batch 8",
-        "gpt",
-        dict(layers=4, hidden=1024, heads=16, ffn=4096, vocab=32000, seq=1024, sdpa=True, batch=8),
-        MIXED,
-    ),
-    (
-        "gpt 4x1024 (sdpa), seq 1024, batch 8",
-        "gpt",
-        dict(layers=4, hidden=1024, heads=16, ffn=4096, vocab=32000, seq=1024, sdpa=True, batch=8),
-        "fp32",
-    ),
-    (
-        "Llama-3.2-1B shapes, 8 layers, seq 2048, batch 4",
-        "hf-llama",
-        dict(
-            layers=8, hidden=2048, heads=32, kv_heads=8, ffn=8192, vocab=128256, seq=2048, batch=4
-        ),
-        MIXED,
-    ),
+    (LLAMA, *GPU_MODELS[LLAMA], MIXED),
+    (GPT, *GPU_MODELS[GPT], MIXED),
+    (GPT, *GPU_MODELS[GPT], "fp32"),
+    (LLAMA_1B, *GPU_MODELS[LLAMA_1B], MIXED),
 ]
 
 
@@ -207,16 +186,9 @@ def _measure_gpu(rank, world, profile_path, example, size, precision, seconds):
     from autopar.report import schedule, step_length
 
     torch.manual_seed(0)
-    size = dict(size)
     model, inputs, loss_fn, targets = EXAMPLES[example](device="cuda", **size)
     mesh = init_device_mesh("cuda", (world,), mesh_dim_names=("dp",))
-    keywords = dict(
-        loss_fn=loss_fn,
-        example_targets=targets,
-        mp_policy=autopar.MixedPrecision(torch.bfloat16, torch.float32)
-        if precision == MIXED
-        else None,
-    )
+    keywords = dict(loss_fn=loss_fn, example_targets=targets, mp_policy=mp_policy(precision))
     predicted = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -257,23 +229,17 @@ def _measure_gpu(rank, world, profile_path, example, size, precision, seconds):
         torch.cuda.synchronize()
     measured_kinds = {"matmul": 0.0, "attention": 0.0, "other": 0.0}
     for event in prof.key_averages():
-        device_us = getattr(event, "self_device_time_total", None)
-        if device_us is None:
-            device_us = event.self_cuda_time_total
-        measured_kinds[_kernel_kind(event.key)] += device_us * 1e-6 / traced
+        measured_kinds[_kernel_kind(event.key)] += event.self_device_time_total * 1e-6 / traced
     return {
         "measured": median_of_means(times),
         "steps": len(times),
         "predicted": predicted,
         "kinds": measured_kinds,
         "plan_s": plan_s,
-        "nodes": len(pm.plan.nodes),
     }
 
 
 def _gpu_table(profile_path: str, source: str, seconds: float) -> list:
-    from common import print_header
-
     world = min(2, torch.cuda.device_count())
     print()
     print_header(
@@ -292,8 +258,7 @@ def _gpu_table(profile_path: str, source: str, seconds: float) -> list:
                 backend="nccl",
             )[0]  # fmt: skip
         except RuntimeError as e:  # one case's failure is a row of the table, not its end
-            lines = [line for line in str(e).splitlines() if line.strip()]
-            print(f"| {label} | {precision} | {world} | failed: {lines[-1] if lines else e} |")
+            print(f"| {label} | {precision} | {world} | failed: {last_line(e)} |")
             misses.append((label, precision, "failed"))
             continue
         measured = r["measured"]
@@ -340,8 +305,6 @@ def main(argv=None) -> int:
     ap.add_argument("--gpu-profile", help="a profile JSON calibrated on this GPU")
     ap.add_argument("--gpu-only", action="store_true", help="only the CUDA table")
     args = ap.parse_args(argv)
-    from common import print_header
-
     gpu_misses: list = []
     if torch.cuda.is_available():
         path, source = _profile(args.gpu_profile, args.quick, "cuda")

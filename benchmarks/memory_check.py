@@ -30,12 +30,12 @@ import sys
 import warnings
 
 import torch
+from common import GPU_MODELS, MIXED, last_line, mp_policy, print_header
 
 from autopar.runtime import run_local
 from autopar.verify import measured_step_peak
 
 TARGET = 0.10
-MIXED = "bf16-mixed"  # float32 parameters and AdamW state, bf16 compute, float32 reduction
 CASES = [
     ("mlp", (2,), None, "fp32"),
     ("mlp", (2, 2), 0.5, "fp32"),
@@ -66,9 +66,7 @@ def _compile(model, mesh, inputs, loss_fn, targets, fraction, precision):
             loss_fn=loss_fn,
             example_targets=targets,
             memory_fraction=fraction,
-            mp_policy=autopar.MixedPrecision(torch.bfloat16, torch.float32)
-            if precision == MIXED
-            else None,
+            mp_policy=mp_policy(precision),
         )
 
 
@@ -95,41 +93,15 @@ def _measure(rank, world, example, mesh_shape, fraction, precision):
     return peak, pm.plan.memory["step"], len(pm.plan.recompute)
 
 
+LLAMA, GPT, LLAMA_1B = GPU_MODELS
 GPU_CASES = [
     # (label, example, size, budget as a fraction of one device, precision)
-    (
-        "hf-llama 4x1024, seq 1024, batch 8",
-        "hf-llama",
-        dict(layers=4, hidden=1024, heads=16, kv_heads=4, ffn=4096, vocab=32000, seq=1024, batch=8),
-        None,
-        MIXED,
-    ),
-    (
-        "gpt 4x1024 (sdpa), seq 1024, batch 8",
-        "gpt",
-        dict(layers=4, hidden=1024, heads=16, ffn=4096, vocab=32000, seq=1024, sdpa=True, batch=8),
-        None,
-        "fp32",
-    ),
-    (
-        "Llama-3.2-1B shapes, 8 layers, seq 2048, batch 4",
-        "hf-llama",
-        dict(
-            layers=8, hidden=2048, heads=32, kv_heads=8, ffn=8192, vocab=128256, seq=2048, batch=4
-        ),
-        None,
-        MIXED,
-    ),
-    (
-        "Llama-3.2-1B shapes, 8 layers, seq 2048, batch 4",
-        "hf-llama",
-        dict(
-            layers=8, hidden=2048, heads=32, kv_heads=8, ffn=8192, vocab=128256, seq=2048, batch=4
-        ),
-        0.8,  # only a plan that recomputes layers meets it (on one GPU the step fits in
-        # no less than 75%: the parameters, gradients and AdamW state are half of it)
-        MIXED,
-    ),
+    (LLAMA, *GPU_MODELS[LLAMA], None, MIXED),
+    (GPT, *GPU_MODELS[GPT], None, "fp32"),
+    (LLAMA_1B, *GPU_MODELS[LLAMA_1B], None, MIXED),
+    # only a plan that recomputes layers meets it (on one H200 no plan fit 75% of the step:
+    # the smallest that fits is 75.1%)
+    (LLAMA_1B, *GPU_MODELS[LLAMA_1B], 0.8, MIXED),
 ]
 
 
@@ -140,11 +112,6 @@ def _budget(fraction: float | None) -> str:
 def _parts(step: dict, digits: int) -> str:
     """The predicted breakdown at the peak, in MiB."""
     return ", ".join(f"{k} {v / 2**20:.{digits}f}" for k, v in step["at_peak"].items() if v)
-
-
-def _last_line(e: BaseException) -> str:
-    lines = [line for line in str(e).splitlines() if line.strip()]
-    return lines[-1] if lines else type(e).__name__
 
 
 def _storage_bytes(tensors) -> int:
@@ -205,8 +172,6 @@ def _measure_gpu(rank, world, example, size, fraction, precision):
 
 
 def _gpu_table() -> float:
-    from common import print_header
-
     world = min(2, torch.cuda.device_count())
     print_header(
         f"{torch.cuda.get_device_name()} x {world}; torch's default AdamW; the allocator's peak "
@@ -222,7 +187,7 @@ def _gpu_table() -> float:
                 0
             ]
         except RuntimeError as e:  # one case's failure is a row of the table, not its end
-            print(f"| {label} | {precision} | {fraction} | failed: {_last_line(e)} |")
+            print(f"| {label} | {precision} | {fraction} | failed: {last_line(e)} |")
             worst = max(worst, 1.0)
             continue
         step = r["predicted"]
@@ -245,8 +210,6 @@ def main(argv=None) -> int:
     ap.add_argument("--check", action="store_true", help=f"fail if off by more than {TARGET:.0%}")
     ap.add_argument("--gpu-only", action="store_true", help="only the CUDA table")
     args = ap.parse_args(argv)
-    from common import print_header
-
     if torch.cuda.is_available():
         gpu_worst = _gpu_table()
         if args.check and gpu_worst > TARGET:
