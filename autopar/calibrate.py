@@ -15,9 +15,12 @@ What is measured, each after warm-up:
                         CUDA a batch of 16384 tokens too): points of
                         ``kernel_rates["attention"]`` / ``["attention_backward"]``
     mem_bandwidth       a clone of a large tensor: bytes read + written over its time
-    kernel_launch       a one-element add, as the emitted step runs one op of its graph
-                        (``measure_step_ops``: an fx graph of adds run as its generated
-                        code): the fixed cost of an op
+    kernel_launch       on the CPU, a one-element add, as the emitted step runs one op of
+                        its graph (``measure_step_ops``: an fx graph of adds run as its
+                        generated code): the fixed cost of an op, the one clock's; on
+                        CUDA, where the host runs ahead of the device, the device's own
+                        time per kernel: one-element adds queued behind long matmuls
+                        (``measure_kernel_floor``)
     the intra-node link N local processes run all_reduce, all_gather, reduce_scatter and
                         all_to_all at sizes from KiB to MiB, as the step runs them
                         (functional collectives, each waited for, each after a burst of
@@ -34,14 +37,19 @@ What is measured, each after warm-up:
                         ``collective_scale``: a library may run a kind by another algorithm);
                         with one rank (a one-GPU machine) there is no link to measure, and
                         the base profile's stays
-    host time (CPU)     a chain of views run as the step runs its graph (``view_launch``);
-                        two chains of tiny layers compiled by autopar and timed as a
-                        training loop steps them on N ranks side by side (the mean step,
-                        as ``median_of_means``: ranks beside each other take each other's
-                        cores now and then),
-                        their nodes taken off: the runtime's time per step and per
-                        parameter (``measure_runtime``, ``step_overhead``,
-                        ``param_overhead``)
+    host time           a chain of views run as the step runs its graph (``view_launch``);
+                        on CUDA, the host's clock apart from the device's (core/schedule):
+                        the chain of adds' time per op (``host_launch``), and each op of a
+                        small GPT's training step (float32 and bf16 mixed precision) under
+                        torch's profiler, less an add's time under it, plus the chain's
+                        (``host_op_costs``, ``measure_host_ops``: a matmul's call costs
+                        about three adds', an attention's ten or more); then two chains of
+                        tiny layers compiled by autopar and timed as a training loop steps
+                        them (on the CPU on N ranks side by side, the mean step, as
+                        ``median_of_means``: ranks beside each other take each other's
+                        cores now and then; on CUDA on one), their nodes taken off at
+                        those costs: the runtime's time per step and per parameter
+                        (``measure_runtime``, ``step_overhead``, ``param_overhead``)
 
 The kernel curves and the per-op and per-view costs are medians of calls timed in rounds
 (each curve's points taken in turn, ``_spread_medians``) spread over a second or two: a
@@ -49,7 +57,8 @@ VM's speed drifts by 20-30% over seconds, and a curve timed point after point ca
 shifted by it. The launch cost and the memory bandwidth are medians of calls timed one
 after another. A
 kernel's FLOP/s is its FLOPs over its time less the cost of calling it alone (the cost
-model adds ``kernel_launch`` back once), so small kernels are not charged it twice.
+model adds ``kernel_launch`` back once), so small kernels are not charged it twice (on CUDA
+the call taken off is mostly the host's, which the model keeps on the host's clock).
 Compute runs on as many threads as a rank of the local launcher uses (one on the CPU,
 runtime/launch), so a CPU profile prices what a gloo rank computes. What one machine
 cannot show comes from the base profile (``--base``) and the source says so: the
@@ -77,16 +86,20 @@ import torch.distributed as dist
 # boxed Python code (tests/unit/test_torch_internals.py)
 from torch._dynamo.backends.debugging import boxed_nop
 from torch.distributed.device_mesh import init_device_mesh
+from torch.profiler import ProfilerActivity, profile
 
 from .api import compile as compile_step
 from .core import ops
+from .core.precision import MixedPrecision
 from .cost_models import (
     DeviceProfile,
     attention_flops,
     collective_time,
     get_profile,
-    is_view_op,
+    profiler_name,
+    runs_kernel,
 )
+from .models import GPT, GPTConfig, cross_entropy_loss, lm_batch
 from .runtime.launch import run_local
 
 __all__ = ["Sample", "calibrate", "fit_link", "measure_collectives", "median_of_means"]
@@ -204,43 +217,144 @@ def measure_step_ops(
     kernel), run as the emitted step runs its graph (passes/codegen: the Python code fx
     generates for the graph, boxed as aot_autograd calls it), so the cost of a graph's node
     beyond its kernel is in it; the two in rounds over at least ``seconds``."""
-    runs = 64
+    op, view_op = _spread_medians(
+        [_chain(device, False), _chain(device, True)], device, reps, seconds
+    )
+    return op / _CHAIN, view_op / _CHAIN
+
+
+_CHAIN = 64  # nodes of ``_chain``'s graph
+
+
+def _chain(device: torch.device, view: bool) -> Callable[[], object]:
+    """A call of the generated code of an fx graph of ``_CHAIN`` one-element adds (or views
+    of one element), boxed as aot_autograd calls a graph."""
     x0 = torch.ones(1, device=device)
-    calls = []
-    for view in (False, True):
-        graph = torch.fx.Graph()
-        x = graph.placeholder("x")
-        y = x
-        for _ in range(runs):
-            if view:
-                y = graph.call_function(torch.ops.aten.view.default, (y, [1]))
-            else:
-                y = graph.call_function(torch.ops.aten.add.Tensor, (y, x))
-        graph.output(y)
-        run = boxed_nop(torch.fx.GraphModule(torch.nn.Module(), graph), [x0])
-        calls.append(lambda run=run: run([x0]))  # a boxed call empties its list
-    op, view_op = _spread_medians(calls, device, reps, seconds)
-    return op / runs, view_op / runs
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    y = x
+    for _ in range(_CHAIN):
+        if view:
+            y = graph.call_function(torch.ops.aten.view.default, (y, [1]))
+        else:
+            y = graph.call_function(torch.ops.aten.add.Tensor, (y, x))
+    graph.output(y)
+    run = boxed_nop(torch.fx.GraphModule(torch.nn.Module(), graph), [x0])
+    return lambda: run([x0])  # a boxed call empties its list
+
+
+def _node_ops(pm) -> list[tuple[str, bool]]:
+    """The op nodes of a compiled step's graphs: ``(profiler name, runs a kernel)`` each."""
+    return [
+        (profiler_name(n.target), runs_kernel(n.target))
+        for g in pm.compiled.graphs.values()
+        for n in g.graph.nodes
+        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+    ]
+
+
+def _profiled_ops(fns: Sequence[Callable[[], object]], names: set[str], device, reps: int):
+    """The host's seconds per call of each op in ``names`` (``aten::mm``) as ``fns`` run it,
+    under torch's profiler (CPU activity alone): the median of the calls that no other of
+    ``names`` made (an op that calls another counts once, with what it calls)."""
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(reps):
+            for fn in fns:
+                fn()
+            _sync(device)
+    times: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.name not in names:
+            continue
+        parent = e.cpu_parent
+        while parent is not None and parent.name not in names:
+            parent = parent.cpu_parent
+        if parent is None:
+            times.setdefault(e.name, []).append(e.time_range.elapsed_us() * 1e-6)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def _host_ops_rank(
+    rank: int, world: int, step_op: float, view_op: float, reps: int, device_type: str
+) -> dict[str, float]:
+    """On one rank: the host's seconds per node of each op of a small GPT's training step
+    (autopar.models' ``gpt``, fused attention, float32 and bf16 mixed precision, compiled
+    by autopar), as the emitted step calls it. Each op's time under the profiler less an
+    add's (a view's, for an op that runs no kernel) under it too, plus ``step_op``
+    (``view_op``): the profiler's own cost per call, and the generated code's around the
+    op, are an add's (``measure_step_ops``); at least half of that."""
+    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
+    mesh = init_device_mesh(device_type, (world,), mesh_dim_names=("dp",))
+    fns: list[Callable[[], object]] = []
+    kernel_ops: set[str] = set()
+    view_ops: set[str] = set()
+    cfg = GPTConfig(sdpa=True)
+    tokens, targets = lm_batch(cfg.vocab, 8, cfg.seq, device=device)
+    for policy in (None, MixedPrecision(torch.bfloat16, torch.float32)):
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = GPT(cfg)
+        pm = compile_step(
+            model, mesh, (tokens,), loss_fn=cross_entropy_loss, example_targets=(targets,),
+            mp_policy=policy, device="h100" if device_type == "cuda" else "cpu",
+        )  # fmt: skip
+        local = pm.shard_inputs(tokens, targets)
+        params = list(pm.parameters())
+
+        def step(pm=pm, local=local, params=params):
+            pm(*local).backward()
+            for p in params:
+                p.grad = None
+
+        step()
+        fns.append(step)
+        for name, kernel in _node_ops(pm):
+            (kernel_ops if kernel else view_ops).add(name)
+    add, view = "aten::add", "aten::view"
+    chains = [_chain(device, False), _chain(device, True)]
+    for fn in chains:
+        fn()
+    measured = _profiled_ops(fns + chains, kernel_ops | view_ops | {add, view}, device, reps)
+    out = {}
+    for name, t in measured.items():
+        if name in (add, view):
+            continue
+        kernel = name in kernel_ops
+        base, own = (step_op, measured[add]) if kernel else (view_op, measured[view])
+        out[name] = max(base + t - own, base / 2)
+    return dict(sorted(out.items()))
+
+
+def measure_host_ops(
+    step_op: float, view_op: float, reps: int = 10, device_type: str = "cuda"
+) -> dict[str, float]:
+    """Host seconds per node by op (``_host_ops_rank``, on one rank of the local launcher):
+    ``DeviceProfile.host_op_costs``."""
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    return run_local(_host_ops_rank, 1, step_op, view_op, reps, device_type, backend=backend)[0]
 
 
 def _runtime_rank(
-    rank: int, world: int, depths: Sequence[int], reps: int, seconds: float
+    rank: int, world: int, depths: Sequence[int], reps: int, seconds: float, device_type: str
 ) -> list[tuple]:
     """On one rank: a chain of ``depth`` tiny linear layers compiled by autopar on this
     rank's mesh (kernels of a few elements, each replicated: no collective), each step timed
     as a training loop runs it (forward, backward, gradients dropped), the depths in rounds
-    over at least ``seconds``; per depth ``(parameters, kernel nodes, view nodes, seconds)``,
-    the nodes those of the compiled graphs, the seconds the mean step (``median_of_means``:
+    over at least ``seconds``; per depth ``(parameters, nodes, seconds)``, the nodes those
+    of the compiled graphs (``_node_ops``), the seconds the mean step (``median_of_means``:
     as the ranks run beside each other their threads take each other's cores now and then,
     a scheduler tick, which a loop's time per step holds at the rate it comes)."""
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
+    mesh = init_device_mesh(device_type, (world,), mesh_dim_names=("dp",))
     steps, counts = [], []
     for depth in depths:
         torch.manual_seed(0)
-        model = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(depth)))
-        x, y = torch.randn(8, 4), torch.randn(8, 4)
+        model = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(depth))).to(device)
+        x, y = torch.randn(8, 4, device=device), torch.randn(8, 4, device=device)
         pm = compile_step(model, mesh, (x,), loss_fn=torch.nn.functional.mse_loss,
-                          example_targets=(y,), device="cpu")  # fmt: skip
+                          example_targets=(y,),
+                          device="h100" if device_type == "cuda" else "cpu")  # fmt: skip
         local = pm.shard_inputs(x, y)
         params = list(pm.parameters())
 
@@ -255,35 +369,60 @@ def _runtime_rank(
                 "its time would not be the host's alone"
             )
         steps.append(step)
-        ops_ = [
-            n.target
-            for g in pm.compiled.graphs.values()
-            for n in g.graph.nodes
-            if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
-        ]
-        views = sum(1 for t in ops_ if is_view_op(t))
-        counts.append((len(params), len(ops_) - views, views))
+        counts.append((len(params), _node_ops(pm)))
     dist.barrier()  # every rank compiled: they step side by side
-    times = _spread_times(steps, torch.device("cpu"), reps, seconds)
+    times = _spread_times(steps, device, reps, seconds)
     return [(*c, median_of_means(t)) for c, t in zip(counts, times)]
 
 
 def measure_runtime(
-    step_op: float, view_op: float, reps: int, seconds: float = 0.0, nproc: int = 1
+    step_op: float,
+    view_op: float,
+    reps: int,
+    seconds: float = 0.0,
+    nproc: int = 1,
+    device_type: str = "cpu",
+    host_ops: dict[str, float] | None = None,
 ) -> tuple[float, float]:
     """``(step_overhead, param_overhead)``: a step's host time outside its graph's nodes,
     fixed and per parameter. Two chains of tiny layers are compiled and timed
     (``_runtime_rank``, on ``nproc`` ranks of the local launcher stepping side by side, the
-    slowest rank's); their nodes priced at ``step_op`` and ``view_op`` are taken off, and
-    the line through the two rests by parameter count gives the two terms (each at least
-    0)."""
-    per_rank = run_local(_runtime_rank, nproc, (1, 8), reps, seconds)
-    rows = [max(depth, key=lambda row: row[3]) for depth in zip(*per_rank)]
-    (p1, k1, v1, t1), (p2, k2, v2, t2) = rows
-    r1 = t1 - k1 * step_op - v1 * view_op
-    r2 = t2 - k2 * step_op - v2 * view_op
+    slowest rank's); their nodes priced at ``host_ops``' time of their op, else
+    ``step_op`` (``view_op`` for a view), are taken off, and the line through the two rests
+    by parameter count gives the two terms (each at least 0)."""
+    host_ops = host_ops or {}
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    per_rank = run_local(_runtime_rank, nproc, (1, 8), reps, seconds, device_type, backend=backend)
+    rows = [max(depth, key=lambda row: row[2]) for depth in zip(*per_rank)]
+
+    def rest(nodes, t):
+        return t - sum(host_ops.get(n, step_op if k else view_op) for n, k in nodes)
+
+    (p1, n1, t1), (p2, n2, t2) = rows
+    r1, r2 = rest(n1, t1), rest(n2, t2)
     per_param = max((r2 - r1) / (p2 - p1), 0.0)
     return max(r1 - per_param * p1, 0.0), per_param
+
+
+def measure_kernel_floor(device: torch.device, reps: int = 10) -> float:
+    """The device's seconds per one-element add queued behind a long matmul (the host
+    ahead, as in a step of large kernels): a kernel's own start, run and gap to the next,
+    without the host's call (``DeviceProfile.kernel_launch`` on a GPU)."""
+    runs = 200
+    x = torch.ones(1, device=device)
+    big = torch.randn(4096, 4096, device=device)
+
+    def queued(adds: int):
+        def run():
+            for _ in range(4):  # long enough that the host queues every add before it ends
+                torch.mm(big, big)
+            for _ in range(adds):
+                torch.add(x, 1.0)
+
+        return run
+
+    alone, with_adds = _spread_medians([queued(0), queued(runs)], device, reps, 0.0)
+    return max(with_adds - alone, 0.0) / runs
 
 
 def measure_bandwidth(device: torch.device, numel: int, reps: int) -> float:
@@ -564,16 +703,23 @@ def calibrate(
             )
     finally:
         torch.set_num_threads(threads)
-    host_costs: dict[str, float] = {}
-    if dev.type == "cpu":  # on CUDA the host runs ahead of the device: the base's (0)
-        step_overhead, param_overhead = measure_runtime(step_op, view_op, 10 * reps, spread, nproc)
-        host_costs = dict(
-            view_launch=view_op, step_overhead=step_overhead, param_overhead=param_overhead
-        )
+    host_ops: dict[str, float] = {}
+    kernel_launch, host_launch = step_op, 0.0  # one clock (the CPU): the op's call in it
+    if dev.type == "cuda":  # the host runs ahead of the device: two clocks (core/schedule)
+        kernel_launch, host_launch = measure_kernel_floor(dev), step_op
+        host_ops = measure_host_ops(step_op, view_op, reps, dev.type)
         log(
-            f"runtime per step {step_overhead * 1e6:.0f} us and {param_overhead * 1e6:.1f} us "
-            "per parameter"
+            f"device time per kernel {kernel_launch * 1e6:.2f} us; host per node of "
+            + ", ".join(f"{k} {t * 1e6:.1f}" for k, t in host_ops.items())
+            + " us"
         )
+    step_overhead, param_overhead = measure_runtime(
+        step_op, view_op, 10 * reps, spread, nproc if dev.type == "cpu" else 1, dev.type, host_ops
+    )
+    log(
+        f"runtime per step {step_overhead * 1e6:.0f} us and {param_overhead * 1e6:.1f} us "
+        "per parameter"
+    )
     samples: list[Sample] = []
     errors: list[float] = []
     overhead, latency, link_bw = (
@@ -608,10 +754,12 @@ def calibrate(
         mem_bandwidth=bandwidth,
         mem_capacity=capacity,
         mem_reserve=min(base_profile.mem_reserve, capacity / 4),
-        kernel_launch=step_op,
-        view_launch=host_costs.get("view_launch", base_profile.view_launch),
-        step_overhead=host_costs.get("step_overhead", base_profile.step_overhead),
-        param_overhead=host_costs.get("param_overhead", base_profile.param_overhead),
+        kernel_launch=kernel_launch,
+        view_launch=view_op,
+        step_overhead=step_overhead,
+        param_overhead=param_overhead,
+        host_launch=host_launch,
+        host_op_costs=tuple(host_ops.items()),
         intra_node_latency=latency,
         intra_node_bandwidth=link_bw,
         collective_overhead=overhead,
@@ -622,8 +770,8 @@ def calibrate(
         source=(
             f"autopar calibrate on {host} ({what or dev.type}), {when}, torch "
             f"{torch.__version__}{', quick' if quick else ''}: matmul and attention curves, "
-            f"memory bandwidth, kernel launch"
-            f"{', the host time of views and of the runtime per step' if host_costs else ''} "
+            f"memory bandwidth, kernel launch, the host time of views and of the runtime "
+            f"per step{', and per op (the host runs ahead of the device)' if host_ops else ''} "
             + (
                 f"and the intra-node link ({'NCCL' if dev.type == 'cuda' else 'gloo'}, "
                 f"{nproc} ranks) measured; the inter-node link"

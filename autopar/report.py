@@ -21,7 +21,7 @@ import math
 from pathlib import Path
 
 from .core.plan import Plan
-from .core.schedule import COMM, COMPUTE, Span, schedule, step_length
+from .core.schedule import COMM, COMPUTE, HOST, Span, schedule, step_length
 from .show import collective_rows, tables
 
 __all__ = ["Span", "chrome_trace", "render_html", "schedule", "step_length", "write_report"]
@@ -49,24 +49,27 @@ _KIND_COLORS = {
 
 def chrome_trace(plan: Plan) -> dict:
     """Both schedules as Chrome trace events (times in microseconds): process 0 the step as
-    emitted, process 1 with collectives issued when ready; thread 0 compute, 1 communication."""
+    emitted, process 1 with collectives issued when ready; thread 0 compute, 1 communication
+    and, where the host runs on its own clock (core/schedule), 2 the runtime's host time."""
     events: list[dict] = []
     for pid, (label, overlap) in enumerate(
         [("the step as emitted", False), ("collectives issued when ready", True)]
     ):
         events.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": label}})
-        for tid, stream in enumerate((COMPUTE, COMM)):
+        spans = schedule(plan, overlap=overlap)
+        streams = _streams(spans)
+        for tid, stream in enumerate(streams):
             events.append(
                 {"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": stream}}
             )
-        for s in schedule(plan, overlap=overlap):
+        for s in spans:
             events.append(
                 {
                     "ph": "X",
                     "name": s.name,
                     "cat": s.stream,
                     "pid": pid,
-                    "tid": 0 if s.stream == COMPUTE else 1,
+                    "tid": streams.index(s.stream),
                     "ts": s.start_s * 1e6,
                     "dur": s.dur_s * 1e6,
                     "args": {"module": s.module, "what": s.what},
@@ -161,16 +164,23 @@ def _bars(spans: list[Span], scale: float) -> list[tuple[float, float, str, str]
     return out
 
 
+def _streams(spans: list[Span]) -> tuple[str, ...]:
+    """The lanes: compute and communication, and the host's where it has spans."""
+    return (COMPUTE, COMM, HOST) if any(s.stream == HOST for s in spans) else (COMPUTE, COMM)
+
+
 def _timeline_svg(plan: Plan, spans: list[Span], length: float, dom_id: str) -> str:
-    """Two lanes, compute over communication, on one time axis of ``length`` seconds."""
+    """Two lanes, compute over communication (and the host's, where it has its own clock),
+    on one time axis of ``length`` seconds."""
     label_w, lane_h, gap = 120, 34, 10
     scale = _WIDTH / max(length, 1e-12)
-    height = 2 * lane_h + gap + 40
+    lanes = _streams(spans)
+    height = len(lanes) * lane_h + (len(lanes) - 1) * gap + 40
     out = [
         f'<svg id="{dom_id}" class="timeline" width="{label_w + _WIDTH + 60}" '
         f'height="{height}" role="img" aria-label="schedule of one rank\'s step">'
     ]
-    for lane, stream in enumerate((COMPUTE, COMM)):
+    for lane, stream in enumerate(lanes):
         y = 5 + lane * (lane_h + gap)
         out.append(
             f'<text x="{label_w - 8}" y="{y + lane_h / 2 + 5}" text-anchor="end">{stream}</text>'
@@ -185,7 +195,7 @@ def _timeline_svg(plan: Plan, spans: list[Span], length: float, dom_id: str) -> 
                 f'width="{w:.2f}" height="{lane_h - 4}" fill="{color}">'
                 f"<title>{_e(title)}</title></rect>"
             )
-    axis_y = 5 + 2 * lane_h + gap + 4
+    axis_y = 5 + len(lanes) * lane_h + (len(lanes) - 1) * gap + 4
     out.append(
         f'<line x1="{label_w}" y1="{axis_y}" x2="{label_w + _WIDTH}" y2="{axis_y}" stroke="#666"/>'
     )

@@ -28,11 +28,18 @@ P / W, so F hardly matters for them). B counts the input tensors and the written
 (the outputs, or the mutated arguments of an op that returns nothing) once each; it ignores
 caches, so it is the compulsory traffic.
 
-Ops that run no kernel cost only the host's call, ``DeviceProfile.view_launch`` (0 on a
-device the host runs ahead of; measured on the CPU by ``autopar calibrate``):
+Ops that run no kernel cost only the host's call, ``DeviceProfile.view_launch`` (measured
+by ``autopar calibrate``):
     - view ops (``is_view_op``): the output aliases an input, no kernel runs;
     - allocation-only ops (``empty``, ``empty_strided``, ...) and shape queries.
 Ops with no tensor among their inputs or outputs cost 0.
+
+Where the host runs ahead of the device (``DeviceProfile.host_clock``: CUDA, kernels
+queued), ``compute_time`` is the device's time alone (L the device's own per-kernel time, a
+view 0), and ``host_time`` the host's to issue the node (``DeviceProfile.host_time``: the
+measured cost of its op, ``host_launch`` for another kernel, ``view_launch`` for a view);
+core/schedule runs the two clocks. On a profile of one clock ``host_time`` is 0 and the
+host's call is in L.
 """
 
 from __future__ import annotations
@@ -53,10 +60,13 @@ from .devices import DeviceProfile
 __all__ = [
     "attention_flops",
     "compute_time",
+    "host_time",
     "is_view_op",
     "kernel_kind",
     "op_bytes",
     "op_flops",
+    "profiler_name",
+    "runs_kernel",
 ]
 
 aten = torch.ops.aten
@@ -274,7 +284,7 @@ def compute_time(
     """
     kwargs = kwargs or {}
     if _runs_no_kernel(op):
-        return profile.view_launch
+        return 0.0 if profile.host_clock else profile.view_launch
     read = _sizes((tuple(args), kwargs))
     written = _written_sizes(op, tuple(args), kwargs, out)
     if not read and not written:
@@ -286,3 +296,23 @@ def compute_time(
     rate = profile.flops_for(dtype) if kind is None else profile.kernel_rate(kind, dtype, flops)
     roof = max(flops / rate, nbytes / profile.mem_bandwidth)
     return roof + profile.kernel_launch
+
+
+def profiler_name(op: Any) -> str:
+    """``op``'s name as torch's profiler records it (``aten::mm``), the key of
+    ``DeviceProfile.host_op_costs``."""
+    name = getattr(_packet(op), "_qualified_op_name", None)
+    return name if isinstance(name, str) else getattr(op, "__name__", str(op))
+
+
+def runs_kernel(op: Any) -> bool:
+    """Whether ``op`` runs a kernel (not a view, an allocation or a shape query)."""
+    return not _runs_no_kernel(op)
+
+
+def host_time(profile: DeviceProfile, op: Any) -> float:
+    """Host seconds to issue one node of ``op`` where the host runs ahead of the device
+    (module docstring); 0 on a profile of one clock."""
+    if not profile.host_clock:
+        return 0.0
+    return profile.host_time(profiler_name(op), runs_kernel(op))

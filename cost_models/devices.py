@@ -98,7 +98,10 @@ class DeviceProfile:
     """Per-device unidirectional bandwidth of the inter-node link, in bytes/s."""
 
     kernel_launch: float
-    """Fixed overhead added to every op that runs a kernel, in seconds."""
+    """Fixed overhead added to every op that runs a kernel, in seconds: where the host runs
+    ahead of the device (``host_launch`` > 0), the device's own time per kernel beyond its
+    roofline (a kernel's start and tail, the gap to the next); else the host's call and the
+    kernel's start together, on the one clock the step has (the CPU)."""
 
     source: str
     """Where the numbers come from (datasheet, measurement, estimate)."""
@@ -124,17 +127,34 @@ class DeviceProfile:
 
     view_launch: float = 0.0
     """Host seconds of a graph node that runs no kernel (a view, ``getitem``) as the emitted
-    step calls it; 0 where the host runs ahead of the device (CUDA), so that only kernels
-    take the device's time."""
+    step calls it: on the CPU on the step's one clock; where the host runs ahead of the
+    device (``host_launch`` > 0), on the host's clock (core/schedule), taking none of the
+    device's time."""
 
     step_overhead: float = 0.0
     """Host seconds of one step outside its graph's nodes (the runtime's boundary of local
     shards, aot_autograd's wrappers, the autograd engine), and ``param_overhead`` more per
     parameter (its local shard in, its gradient out as a DTensor and accumulated): on the
-    CPU they are on the step's path; 0 where the host runs ahead of the device (CUDA)."""
+    CPU they are on the step's path; where the host runs ahead of the device, the host's
+    clock starts at ``step_overhead`` and ends ``param_overhead`` per parameter after the
+    last node is issued (the gradients come out of the backward graph together, each then
+    wrapped and accumulated: core/schedule)."""
 
     param_overhead: float = 0.0
     """See ``step_overhead``."""
+
+    host_launch: float = 0.0
+    """Host seconds to issue one graph node that runs a kernel, where the host runs ahead
+    of the device (CUDA: kernels are queued, the step's host and device are two clocks,
+    core/schedule); ``host_op_costs`` per op where measured. 0: a profile with one clock
+    (the CPU, where the host's call is in ``kernel_launch``), or one that does not price
+    the host (the step is the device's alone)."""
+
+    host_op_costs: tuple[tuple[str, float], ...] = ()
+    """Host seconds per node of an op, by its name as torch's profiler spells it
+    (``aten::mm``), where they differ from ``host_launch`` (a matmul's call costs about
+    two of an add's, an attention kernel's several): ``(name, seconds)`` pairs, used only
+    where ``host_launch`` > 0."""
 
     overlaps_collectives: bool = True
     """Whether the emitted step can run a collective while kernels run (CUDA: NCCL on its
@@ -170,11 +190,17 @@ class DeviceProfile:
             "view_launch",
             "step_overhead",
             "param_overhead",
+            "host_launch",
         ):
             if getattr(self, field) < 0:
                 raise ValueError(f"profile {self.name!r}: {field} must be >= 0")
         if self.collective_overhead < 0:
             raise ValueError(f"profile {self.name!r}: collective_overhead must be >= 0")
+        ops = [k for k, _ in self.host_op_costs]
+        if len(set(ops)) != len(ops) or any(not t >= 0 for _, t in self.host_op_costs):
+            raise ValueError(
+                f"profile {self.name!r}: host_op_costs needs each op once, with seconds >= 0"
+            )
         kinds = [k for k, _ in self.collective_scale]
         if len(set(kinds)) != len(kinds) or any(not f > 0 for _, f in self.collective_scale):
             raise ValueError(
@@ -200,6 +226,22 @@ class DeviceProfile:
                 raise ValueError(f"{where}: needs points (FLOPs > 0, FLOP/s > 0)")
             if any(b <= a for a, b in zip(works, works[1:])):
                 raise ValueError(f"{where}: FLOPs must increase from point to point")
+
+    @property
+    def host_clock(self) -> bool:
+        """Whether the step's host and device are two clocks (``host_launch`` > 0)."""
+        return self.host_launch > 0
+
+    def host_time(self, op_name: str, runs_kernel: bool) -> float:
+        """Host seconds to issue one node of ``op_name`` (``aten::mm``) where the host runs
+        ahead (``host_clock``): ``host_op_costs``' entry, else ``host_launch`` for a kernel
+        and ``view_launch`` for a node that runs none; 0 on a profile of one clock."""
+        if not self.host_clock:
+            return 0.0
+        for name, seconds in self.host_op_costs:
+            if name == op_name:
+                return seconds
+        return self.host_launch if runs_kernel else self.view_launch
 
     def collective_factor(self, kind: str) -> float:
         """``collective_scale``'s factor for ``kind`` (1 where it names none)."""
@@ -258,6 +300,7 @@ class DeviceProfile:
         )
         d["all_reduce_algorithms"] = tuple(d.get("all_reduce_algorithms", ("ring",)))
         d["collective_scale"] = tuple((str(k), float(f)) for k, f in d.get("collective_scale", ()))
+        d["host_op_costs"] = tuple((str(k), float(t)) for k, t in d.get("host_op_costs", ()))
         # a profile written before the field: a CPU one (``autopar calibrate`` names it
         # ``cpu-<host>``) ran on gloo
         d.setdefault("overlaps_collectives", not str(d["name"]).startswith("cpu"))

@@ -39,8 +39,14 @@ The ILP (Alpa's intra-operator formulation):
              share, "Overlap")
 
 ``Solution.objective_s`` adds the host's fixed time per step where the profile prices one
-(``DeviceProfile.step_overhead`` + ``param_overhead`` per parameter: a calibrated CPU;
-``Solution.runtime_s``), a constant no choice changes.
+on the step's one clock (``DeviceProfile.step_overhead`` + ``param_overhead`` per
+parameter: a calibrated CPU; ``Solution.runtime_s``), a constant no choice changes. Where
+the host runs ahead of the device on its own clock (``DeviceProfile.host_clock``: a
+calibrated GPU), C[v,k] is the device's time alone, each node's host time is
+``Solution.host_s`` (cost_models.compute.host_time, the same under every strategy), and
+the runtime's time goes on the host's clock at the step's start and end (core/schedule
+runs the two clocks); ``objective_s`` is then the larger of the step the ILP minimized
+and the host's whole time, a bound no choice changes either.
 
 ``C[v,k]`` is the roofline time of node v's op on the local shapes of strategy k (for a
 batch input: the time to read its local part, bytes / memory bandwidth)
@@ -282,6 +288,7 @@ from autopar.cost_models import (
     collectives_time,
     compute_time,
     get_profile,
+    host_time,
     redistribute_collectives,
     reshard_collectives,
     reshard_time,
@@ -387,6 +394,21 @@ def _node_costs(space: StrategySpace, name: str, profile: DeviceProfile) -> list
         cache[key] = c
         costs.append(c)
     return costs
+
+
+def _host_times(space: StrategySpace, profile: DeviceProfile) -> dict[str, float]:
+    """The host's seconds to issue each node, where the profile runs the host on its own
+    clock (``DeviceProfile.host_clock``; cost_models.compute.host_time): the nodes that
+    cost any, whatever their strategy (a node runs the same op on any shapes)."""
+    if not profile.host_clock:
+        return {}
+    out = {}
+    for name, target in space.targets.items():
+        if isinstance(target, torch._ops.OpOverload):
+            t = host_time(profile, target)
+            if t > 0:
+                out[name] = t
+    return out
 
 
 def collective_s(mesh, kind: str, axis: int, nbytes: int) -> float:
@@ -1417,13 +1439,24 @@ def read_solution(ilp: IlpBuilder, status: int, stats: dict, time_limit_s: float
     }
     # where buckets overlap the backward, the step's length with them ("Overlap")
     step_s = ilp.overlap()[0] if ilp.hide_coef else compute_s + comm_s
-    # the host's fixed time per step (the CPU's; 0 where the host runs ahead of the device)
     params = len(set(ilp.space.params.values()))
-    runtime_s = profile.step_overhead + profile.param_overhead * params
+    host = _host_times(ilp.space, profile)
+    if profile.host_clock:  # the host's own clock (core/schedule), no choice changes it
+        runtime_s = 0.0
+        host_start_s = profile.step_overhead
+        host_end_s = profile.param_overhead * params
+        objective_s = max(step_s, host_start_s + sum(host.values()) + host_end_s)
+    else:  # the host's fixed time per step on the step's one clock (the CPU's)
+        runtime_s = profile.step_overhead + profile.param_overhead * params
+        host_start_s = host_end_s = 0.0
+        objective_s = step_s + runtime_s
     return Solution(
         runtime_s=runtime_s,
+        host_s=host,
+        host_start_s=host_start_s,
+        host_end_s=host_end_s,
         choice=choice,
-        objective_s=step_s + runtime_s,
+        objective_s=objective_s,
         compute_s=compute_s,
         comm_s=comm_s,
         collectives=collectives,

@@ -115,7 +115,10 @@ class NodeChoice:
         role: ``param``/``buffer``/``input``/``target``/``tangent``/``forward``/``backward``.
         out: per output, the placement text per mesh axis (None for a non-tensor output).
         ins: per tensor input, the placement text per mesh axis.
-        cost_s: the node's compute time under this strategy (seconds).
+        cost_s: the node's compute time under this strategy (seconds): where the host
+            runs ahead of the device (``DeviceProfile.host_clock``), the device's alone.
+        host_s: there, the host's seconds to issue the node (core/schedule's host clock);
+            0 on a profile of one clock.
     """
 
     op: str
@@ -124,6 +127,7 @@ class NodeChoice:
     out: tuple[tuple[str, ...] | None, ...]
     ins: tuple[tuple[str, ...], ...]
     cost_s: float
+    host_s: float = 0.0
 
     def placement(self, idx: int = 0) -> tuple[str, ...]:
         """The placement texts of tensor output ``idx``, one per mesh axis."""
@@ -140,6 +144,7 @@ class NodeChoice:
             "out": [None if o is None else list(o) for o in self.out],
             "ins": [list(i) for i in self.ins],
             "cost_s": self.cost_s,
+            **({"host_s": self.host_s} if self.host_s else {}),
         }
 
     @classmethod
@@ -151,6 +156,7 @@ class NodeChoice:
             out=tuple(None if o is None else tuple(o) for o in d["out"]),
             ins=tuple(tuple(i) for i in d["ins"]),
             cost_s=d["cost_s"],
+            host_s=d.get("host_s", 0.0),
         )
 
 
@@ -185,7 +191,10 @@ class Plan:
             emitted step simulated (``emitted_step_s``: its buckets and prefetches as
             codegen emits them, in the plan's order); ``objective_s`` is the solver's
             objective. Where the profile prices the host's fixed time per step (a
-            calibrated CPU), it is ``runtime_s``, in both.
+            calibrated CPU), it is ``runtime_s``, in both. Where the host runs ahead of
+            the device on its own clock (a calibrated GPU), ``host_start_s`` and
+            ``host_end_s`` are the runtime's host time before the first node and after
+            the last (each node's own is its ``host_s``; core/schedule).
         memory: ``param_bytes_per_rank`` and ``param_bytes_total``; ``step``: the step
             memory per rank (passes/memory: ``peak_bytes``, ``peak_node``, ``at_peak`` by
             category, ``optimizer``, and ``timeline``: ``nodes`` in step order and, per
@@ -245,6 +254,7 @@ class Plan:
                 out=tuple(text(o) for o in s.out),
                 ins=tuple(text(i) for i in s.ins),
                 cost_s=solution.node_cost_s[name],
+                host_s=solution.host_s.get(name, 0.0),
             )
         outputs: list = [None] * space.n_outputs
         replicated = ("R",) * mesh.ndim
@@ -308,6 +318,13 @@ class Plan:
                 "comm_by_kind_s": dict(sorted(by_kind.items())),
                 # the host's fixed time per step, where the profile has one (the CPU's)
                 **({"runtime_s": solution.runtime_s} if solution.runtime_s else {}),
+                # the runtime's host time before the first node and after the last, where
+                # the host runs on its own clock (a GPU's; core/schedule)
+                **(
+                    {"host_start_s": solution.host_start_s, "host_end_s": solution.host_end_s}
+                    if solution.host_s
+                    else {}
+                ),
             },
             memory={"param_bytes_per_rank": int(per_rank), "param_bytes_total": int(total)},
             warnings=tuple(solution.warnings)

@@ -32,6 +32,20 @@ communication, from the plan's per-node costs and predicted collectives:
 Where the profile prices the host's fixed time per step (``plan.cost["runtime_s"]``:
 the CPU's runtime boundary, passes/solve), the compute stream starts after it.
 
+Where the host runs ahead of the device on its own clock (a calibrated GPU: its nodes have
+``host_s``, cost_models.compute.host_time), the step has a third clock, the host's, which
+issues the points in order:
+
+    host_0 = plan.cost["host_start_s"]               (the runtime's shards in)
+    host_i = host_{i-1} + host_s(i)                  (point i issued)
+    start_i >= host_i                                (a kernel runs once it is issued)
+    step   >= host_n + plan.cost["host_end_s"]       (the gradients out, after the last)
+
+so a step of small kernels is as long as its host, and one of large kernels as its
+device, the host running ahead (queued kernels). A node that runs no kernel (a view,
+``cost_s`` 0) takes only host time. The runtime's two parts are the ``host`` stream's
+spans.
+
 Two issue rules give two schedules:
 
     - ``overlap=False``, the step as codegen emits it: a reshard is issued when the compute
@@ -72,6 +86,7 @@ if TYPE_CHECKING:
 __all__ = [
     "COMM",
     "COMPUTE",
+    "HOST",
     "Span",
     "bucket_site",
     "edge_ends",
@@ -80,7 +95,7 @@ __all__ = [
     "step_length",
 ]
 
-COMPUTE, COMM = "compute", "communication"
+COMPUTE, COMM, HOST = "compute", "communication", "host"
 
 
 def purpose(collective: dict) -> str:
@@ -155,7 +170,7 @@ def _comm_span(c: dict, start: float) -> Span:
 
 def schedule(plan: Plan, *, overlap: bool = False) -> list[Span]:
     """The two streams of one rank's step (module docstring), compute then communication
-    spans, each in time order."""
+    spans, each in time order, then the host's where it has its own clock."""
     points = _points(plan)
     position = {p: i for i, p in enumerate(points)}
     into: dict[str, list[dict]] = defaultdict(list)  # reshards, by the point that waits
@@ -223,14 +238,22 @@ def schedule(plan: Plan, *, overlap: bool = False) -> list[Span]:
         issued_later = {id(c) for c in _flat(after)}
         issue([c for c in _flat(into) if id(c) not in issued_later], 0.0)
     clock = plan.cost.get("runtime_s", 0.0)  # the host's fixed time, before the first node
+    host = plan.cost.get("host_start_s", 0.0)  # the host's own clock, where it has one
+    hosted: list[Span] = []
+    if host > 0:
+        hosted.append(Span(HOST, "runtime", 0.0, host, "", "the runtime's shards in"))
     for p in points:
-        waits = into.get(p, [])
-        if not overlap:
-            issue(waits, clock)
-        start = max([clock] + [ends[id(c)] for c in waits])
-        issue(inside.get(p, []), start)
         node = plan.nodes.get(p.removeprefix("recompute:"))
         dur = node.cost_s if node is not None else 0.0
+        issued_at = clock
+        if node is not None and node.host_s:
+            host += node.host_s
+            issued_at = max(clock, host) if dur > 0 else clock  # a kernel, once issued
+        waits = into.get(p, [])
+        if not overlap:
+            issue(waits, issued_at)
+        start = max([issued_at] + [ends[id(c)] for c in waits])
+        issue(inside.get(p, []), start)
         if node is not None and (dur > 0 or node.op != "placeholder"):
             compute.append(Span(COMPUTE, p, start, dur, node.module, node.op))
         clock = start + dur
@@ -243,7 +266,10 @@ def schedule(plan: Plan, *, overlap: bool = False) -> list[Span]:
             clock = max([clock] + [ends[id(c)] for c in issued if id(c) in waited])
     # (what no point waited for or ran: none in a whole plan)
     issue(grads + _flat(into) + _flat(inside), clock)
-    return compute + sorted(comm, key=lambda s: s.start_s)
+    end = plan.cost.get("host_end_s", 0.0)
+    if end > 0:
+        hosted.append(Span(HOST, "runtime", host, end, "", "the runtime's gradients out"))
+    return compute + sorted(comm, key=lambda s: s.start_s) + hosted
 
 
 def _flat(d: dict[str, list[dict]]) -> list[dict]:

@@ -258,7 +258,13 @@ class Solution:
         recompute: the layers checkpointed (passes/remat); their time is in
             ``compute_s`` and ``comm_s``.
         runtime_s: the host's fixed time per step outside the graph's nodes
-            (``DeviceProfile.step_overhead`` and ``param_overhead``); in ``objective_s``.
+            (``DeviceProfile.step_overhead`` and ``param_overhead``) on a profile of one
+            clock (the CPU); in ``objective_s``.
+        host_s: where the host runs ahead of the device on its own clock
+            (``DeviceProfile.host_clock``), node name -> the host's seconds to issue it
+            (the nodes that cost any); ``host_start_s`` and ``host_end_s`` the runtime's
+            host time before the first node and after the last (core/schedule).
+            ``objective_s`` is then at least the host's whole time.
     """
 
     choice: dict[str, int]
@@ -271,6 +277,9 @@ class Solution:
     warnings: list[str] = field(default_factory=list)
     recompute: list[Recompute] = field(default_factory=list)
     runtime_s: float = 0.0
+    host_s: dict[str, float] = field(default_factory=dict)
+    host_start_s: float = 0.0
+    host_end_s: float = 0.0
 
     def chosen(self, space: StrategySpace, name: str) -> Strategy:
         """The strategy node ``name`` takes."""

@@ -7,9 +7,18 @@ import dataclasses
 import json
 
 import pytest
+import torch
 
 import autopar
-from autopar.calibrate import KINDS, fit_link, kind_scales, link_errors, median_of_means
+from autopar.calibrate import (
+    KINDS,
+    _profiled_ops,
+    fit_link,
+    kind_scales,
+    link_errors,
+    measure_host_ops,
+    median_of_means,
+)
 from autopar.cli import main
 from autopar.core import Collective, Mesh
 from autopar.cost_models import (
@@ -18,6 +27,7 @@ from autopar.cost_models import (
     collective_time,
     collectives_time,
     load_profile,
+    register_profile,
 )
 from autopar.models import EXAMPLES
 
@@ -151,3 +161,50 @@ def test_calibrate_refuses_a_rank_count_it_cannot_run():
 
     with pytest.raises(ValueError, match="nproc 0"):
         calibrate(nproc=0, quick=True, device="cpu")
+
+
+def test_an_op_called_inside_another_is_counted_once_in_the_outer_call():
+    x, w, b = torch.randn(8, 4), torch.randn(4, 4), torch.randn(4)
+    names = {"aten::linear", "aten::addmm", "aten::t"}
+    times = _profiled_ops(
+        [lambda: torch.nn.functional.linear(x, w, b)], names, torch.device("cpu"), 20
+    )
+    assert set(times) == {"aten::linear"} and times["aten::linear"] > 0
+
+
+def test_the_host_time_of_each_op_of_a_step_is_measured_apart_from_an_add():
+    step_op, view_op = 20e-6, 5e-6
+    table = measure_host_ops(step_op, view_op, reps=3, device_type="cpu")
+    # the ops a GPT's step runs, by the profiler's names; an add and a view are the bases
+    assert {"aten::mm", "aten::addmm", "aten::native_layer_norm", "autopar::sdpa"} <= set(table)
+    assert "aten::add" not in table and "aten::view" not in table
+    assert all(t >= view_op / 2 for t in table.values())
+    assert table["autopar::sdpa_backward"] > table["aten::t"]  # a kernel's call, a view's
+
+
+def test_a_profile_with_a_host_clock_prices_the_host_apart_from_the_device():
+    host = dataclasses.replace(
+        PROFILES["h100"],
+        name="h100-slow-host",
+        host_launch=50e-6,
+        view_launch=5e-6,
+        step_overhead=1e-3,
+        param_overhead=1e-4,
+        host_op_costs=(("aten::addmm", 2e-4),),
+    )
+    register_profile(host)
+    model, inputs, loss_fn, targets = EXAMPLES["mlp"]()
+    keywords = dict(loss_fn=loss_fn, example_targets=targets, cache=False)
+    plan = autopar.plan(model, Mesh((2,), ("dp",), device=host.name), inputs, **keywords)
+    device = autopar.plan(model, Mesh((2,), ("dp",), device="h100"), inputs, **keywords)
+    assert "runtime_s" not in plan.cost
+    assert plan.cost["host_start_s"] == 1e-3
+    assert plan.cost["host_end_s"] == pytest.approx(1e-4 * len(plan.params))
+    by_op = {c.op: c.host_s for c in plan.nodes.values() if c.op != "placeholder"}
+    assert by_op["aten.addmm.default"] == 2e-4 and by_op["aten.t.default"] == 5e-6
+    assert by_op["aten.mm.default"] == 50e-6
+    # the device's time per node is the same; the step is the host's, far behind it
+    for name, c in plan.nodes.items():
+        assert c.cost_s == pytest.approx(device.nodes[name].cost_s, rel=1e-9)
+    host_s = 1e-3 + sum(c.host_s for c in plan.nodes.values()) + plan.cost["host_end_s"]
+    assert plan.cost["total_s"] >= host_s * (1 - 1e-9) > 10 * device.cost["total_s"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import math
 import operator
 
@@ -21,12 +22,14 @@ from autopar.core import Mesh
 from autopar.cost_models import (
     PROFILES,
     Collective,
+    DeviceProfile,
     axis_link,
     collective_time,
     collectives_time,
     compute_time,
     get_profile,
     hierarchical_collectives,
+    host_time,
     is_view_op,
     op_bytes,
     op_flops,
@@ -250,6 +253,32 @@ def test_view_ops_cost_zero(op, args):
     # where the host's call is on the step's path (a calibrated CPU), the call alone
     host = dataclasses.replace(H100, view_launch=2e-6)
     assert compute_time(host, op, args, {}, S([4096, 4096]), F32) == 2e-6
+
+
+def test_where_the_host_runs_ahead_the_device_takes_kernels_and_the_host_every_call():
+    two = dataclasses.replace(
+        H100, host_launch=10e-6, view_launch=3e-6, host_op_costs=(("aten::mm", 25e-6),)
+    )
+    assert two.host_clock and not H100.host_clock
+    mm = (aten.mm.default, (S([64, 64]), S([64, 64])), {}, S([64, 64]), F32)
+    view = (aten.view.default, (S([64, 64]), [4096]), {}, S([4096]), F32)
+    # the device: a kernel's roofline and its own time per kernel, as on one clock; a view
+    # none of it (its call is the host's)
+    assert compute_time(two, *mm) == compute_time(H100, *mm) > H100.kernel_launch
+    assert compute_time(two, *view) == 0.0
+    # the host: the op's measured call, else a kernel's or a view's
+    assert host_time(two, aten.mm.default) == 25e-6
+    assert host_time(two, aten.add.Tensor) == 10e-6
+    assert host_time(two, aten.view.default) == 3e-6
+    # one clock: no host time apart (the call is in kernel_launch, a view's in view_launch)
+    one = dataclasses.replace(H100, view_launch=3e-6)
+    assert host_time(one, aten.mm.default) == host_time(one, aten.view.default) == 0.0
+    assert compute_time(one, *view) == 3e-6
+    assert DeviceProfile.from_dict(json.loads(two.to_json())) == two
+    with pytest.raises(ValueError, match="host_op_costs"):
+        dataclasses.replace(two, host_op_costs=(("aten::mm", 1e-6), ("aten::mm", 2e-6)))
+    with pytest.raises(ValueError, match="host_launch"):
+        dataclasses.replace(two, host_launch=-1e-6)
 
 
 def test_getitem_costs_zero_and_copies_do_not():

@@ -15,6 +15,7 @@ from autopar.core.schedule import purpose
 from autopar.report import (
     COMM,
     COMPUTE,
+    HOST,
     MAX_MEMORY_POINTS,
     chrome_trace,
     render_html,
@@ -290,3 +291,52 @@ def test_collectives_an_op_runs_inside_it_are_drawn_under_it_and_not_waited_for(
     outside = sum(c["time_s"] for c in plan.collectives if not own(c["edge"]))
     total = sum(s.dur_s for s in compute.values()) + outside
     assert step_length(spans) == pytest.approx(total, rel=1e-9)
+
+
+def _with_host(plan: Plan, per_node: float, start: float, end: float) -> Plan:
+    """``plan`` with the host on its own clock: ``per_node`` to issue each op node."""
+    nodes = {
+        n: dataclasses.replace(c, host_s=per_node) if c.op != "placeholder" else c
+        for n, c in plan.nodes.items()
+    }
+    cost = {**plan.cost, "host_start_s": start, "host_end_s": end}
+    return dataclasses.replace(plan, nodes=nodes, cost=cost)
+
+
+def test_a_host_behind_the_device_sets_the_step_and_one_ahead_of_it_does_not():
+    plan = _golden("gpt-4-h100-mem0.25-nofold")
+    device = step_length(schedule(plan))
+    ops = [c for c in plan.nodes.values() if c.op != "placeholder"]
+    # a host far ahead: the device's step, and the host's two spans
+    ahead = schedule(_with_host(plan, 1e-12, 1e-9, 1e-9))
+    assert step_length(ahead) == pytest.approx(device, rel=1e-6)
+    assert [s.what for s in ahead if s.stream == HOST] == [
+        "the runtime's shards in",
+        "the runtime's gradients out",
+    ]
+    # a host far behind: its own time, each kernel run once issued
+    per_node, start, end = 1e-3, 2e-3, 3e-3
+    behind = _with_host(plan, per_node, start, end)
+    spans = schedule(behind)
+    # every op node issued, and again each copy a checkpointed layer recomputes
+    issues = [s for s in spans if s.stream == COMPUTE and s.what != "placeholder"]
+    assert len(issues) > len(ops)
+    host = start + per_node * len(issues)
+    assert step_length(spans) == pytest.approx(host + end, rel=1e-9)
+    issued = start
+    for s in (s for s in spans if s.stream == COMPUTE):
+        node = behind.nodes[s.name.removeprefix("recompute:")]
+        issued += node.host_s
+        if s.dur_s > 0 and node.host_s:  # (a batch input is read, not issued)
+            assert s.start_s >= issued - 1e-12
+    # the trace and the page draw the host's lane
+    threads = {
+        e["args"]["name"]: e["tid"]
+        for e in chrome_trace(behind)["traceEvents"]
+        if e["name"] == "thread_name"
+    }
+    assert threads == {COMPUTE: 0, COMM: 1, HOST: 2}
+    assert ">host</text>" in render_html(behind)
+    # and the plan's JSON keeps the host's times
+    again = Plan.from_json(behind.to_json())
+    assert again.emitted_step_s() == pytest.approx(step_length(spans), rel=1e-12)
