@@ -14,7 +14,11 @@ What is measured, each after warm-up:
                         core/ops.py) for growing sequence lengths, causal, batch 1 (and on
                         CUDA a batch of 16384 tokens too): points of
                         ``kernel_rates["attention"]`` / ``["attention_backward"]``
-    mem_bandwidth       a clone of a large tensor: bytes read + written over its time
+    mem_bandwidth       a clone of a large tensor: bytes read + written over its time; on
+                        CUDA, the elementwise kernels of a bf16 step at a layer's size
+                        instead (``measure_elementwise_bandwidth``: an add, a multiply by
+                        a broadcast row, a cast from float32), which reach about two
+                        thirds of a clone's
     kernel_launch       on the CPU, a one-element add, as the emitted step runs one op of
                         its graph (``measure_step_ops``: an fx graph of adds run as its
                         generated code): the fixed cost of an op, the one clock's; on
@@ -425,6 +429,34 @@ def measure_kernel_floor(device: torch.device, reps: int = 10) -> float:
     return max(with_adds - alone, 0.0) / runs
 
 
+def measure_elementwise_bandwidth(device: torch.device, numel: int, reps: int) -> float:
+    """Bytes/s of the elementwise kernels a bf16 training step runs most, on ``numel``
+    elements (a ``[numel / 2048, 2048]`` activation): a contiguous add, a multiply by a
+    broadcast row (a norm's weight), a cast from float32 (mixed precision); the harmonic
+    mean of their rates, as a step pays each kernel's time."""
+    rows = max(numel // 2048, 1)
+    a = torch.randn(rows, 2048, device=device).to(torch.bfloat16)
+    b = torch.randn(rows, 2048, device=device).to(torch.bfloat16)
+    w = torch.randn(2048, device=device).to(torch.bfloat16)
+    wide = torch.randn(rows, 2048, device=device)
+    n, runs = rows * 2048, 20  # a run of calls: the host queues them as a step does
+
+    def run(fn):
+        def many():
+            for _ in range(runs):
+                fn()
+
+        return many
+
+    calls = [
+        (run(lambda: torch.add(a, b)), 3 * 2 * n),
+        (run(lambda: torch.mul(a, w)), 2 * 2 * n + 2 * 2048),
+        (run(lambda: wide.to(torch.bfloat16)), (4 + 2) * n),
+    ]
+    times = [_median_time(fn, device, reps) / runs for fn, _ in calls]
+    return len(calls) / sum(t / nbytes for (_, nbytes), t in zip(calls, times))
+
+
 def measure_bandwidth(device: torch.device, numel: int, reps: int) -> float:
     """Bytes/s of cloning a float32 tensor of ``numel`` elements (read + write)."""
     x = torch.empty(numel, device=device).fill_(1.0)
@@ -684,7 +716,10 @@ def calibrate(
         )
         numel = (1 << 22 if quick else 1 << 25) if dev.type == "cpu" else 1 << 28
         bandwidth = measure_bandwidth(dev, numel, reps)
-        log(f"memory bandwidth {bandwidth / 1e9:.1f} GB/s")
+        log(f"memory bandwidth {bandwidth / 1e9:.1f} GB/s (a clone)")
+        if dev.type == "cuda":  # what the step's elementwise kernels reach
+            bandwidth = measure_elementwise_bandwidth(dev, 1 << 24, reps)
+            log(f"memory bandwidth {bandwidth / 1e9:.1f} GB/s (elementwise, bf16)")
         rates, peaks = [], []
         for dtype_name in _DTYPES:
             dtype = getattr(torch, dtype_name)
