@@ -24,7 +24,7 @@ import torch
 from .mesh import Mesh
 from .placements import parse_placements, placement_str
 from .roles import op_name
-from .schedule import inside_op, schedule, step_length
+from .schedule import COMPUTE, inside_op, schedule, step_length
 from .space import Recompute, Solution, StrategySpace
 from .version import __version__
 
@@ -376,6 +376,32 @@ class Plan:
         issued ahead of their consumers (passes/prefetch)."""
         return step_length(schedule(self))
 
+    def host_s(self) -> float:
+        """Where the host runs ahead of the device on its own clock (core/schedule): the
+        host's time to issue the step, the runtime's before the first node and after the
+        last, and every point's call (a recomputed copy's too); 0 on a profile of one
+        clock."""
+        if "host_start_s" not in self.cost:
+            return 0.0
+        calls = sum(
+            self.nodes[s.name.removeprefix("recompute:")].host_s
+            for s in schedule(self)
+            if s.stream == COMPUTE
+        )
+        return self.cost["host_start_s"] + calls + self.cost["host_end_s"]
+
+    def _host_lines(self) -> list[str]:
+        host = self.host_s()
+        if not host:
+            return []
+        runtime = self.cost["host_start_s"] + self.cost["host_end_s"]
+        total = self.cost.get("total_s", 0.0)
+        whose = "the host's: the device waits for it" if host >= total * 0.99 else "the device's"
+        return [
+            f"the host, apart from the device: {host * 1e3:.4f} ms to issue the step (the "
+            f"runtime {runtime * 1e3:.4f} ms, each node's call the rest); the step is {whose}"
+        ]
+
     def collective_bytes(self) -> dict[tuple[str, str], int]:
         """``{(kind, axis name): bytes per step}`` of the predicted collectives, each counted
         as the cost model prices it (cost_models/comm: the gathered tensor of an all-gather,
@@ -464,6 +490,7 @@ class Plan:
             f"estimated step time: {c.get('total_s', 0) * 1e3:.4f} ms "
             f"(compute {c.get('compute_s', 0) * 1e3:.4f} ms, "
             f"communication {c.get('comm_s', 0) * 1e3:.4f} ms)",
+            *self._host_lines(),
             f"the step as emitted, simulated: {self.emitted_step_s() * 1e3:.4f} ms "
             "(gradient buckets beside the backward where the device overlaps them; every "
             "other collective waited for)",

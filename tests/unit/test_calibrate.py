@@ -118,8 +118,10 @@ def test_calibrate_writes_a_profile_that_plan_takes(tmp_path, capsys):
     assert profile.inter_node_bandwidth == cpu.inter_node_bandwidth
     assert profile.all_reduce_algorithms == cpu.all_reduce_algorithms
     assert profile.mem_bandwidth != cpu.mem_bandwidth  # measured, not copied
-    # the host's time: a view's call, and the runtime's per step and per parameter
+    # the host's time: a view's call, and the runtime's per step and per parameter, on the
+    # step's one clock (on the CPU the host does not run ahead of its kernels)
     assert profile.view_launch > 0 and profile.step_overhead > 0 and profile.param_overhead >= 0
+    assert not profile.host_clock and profile.host_op_costs == ()
 
     rc = main(["plan", "mlp", "--mesh", "2", "--profile", str(path), "--no-cache", "--json"])
     assert rc == 0
@@ -208,3 +210,6 @@ def test_a_profile_with_a_host_clock_prices_the_host_apart_from_the_device():
         assert c.cost_s == pytest.approx(device.nodes[name].cost_s, rel=1e-9)
     host_s = 1e-3 + sum(c.host_s for c in plan.nodes.values()) + plan.cost["host_end_s"]
     assert plan.cost["total_s"] >= host_s * (1 - 1e-9) > 10 * device.cost["total_s"]
+    assert plan.host_s() == pytest.approx(plan.cost["total_s"], rel=1e-9)
+    assert "the step is the host's" in plan.summary() and device.host_s() == 0.0
+    assert "the host, apart" not in device.summary()
