@@ -239,7 +239,12 @@ smallest feasible budget. Every node may replicate everything (passes/strategies
 a budget the ILP always has a solution.
 
 Solved to within ``mip_gap`` (default ``MIP_GAP``, 0.01%) of the optimum with HiGHS through
-OR-Tools' ``pywraplp`` (single thread: deterministic). The overlap rounds ("Overlap") solve
+OR-Tools' ``pywraplp`` (single thread: deterministic). Each solve first solves the linear
+relaxation (every variable continuous, ``_relaxed``): where every integer variable comes
+out integral, that is the ILP's optimum, exactly, and the ILP is not solved (the search's
+relaxation is integral as a rule: Llama-3-8B's bf16 step over (8,8), 8011 integer
+variables, solved in 1.1 s against 3.5 s as an ILP, with the same objective; its four
+rounds' solves took the plan from 34 s to 27-30 s); elsewhere the ILP is solved. The overlap rounds ("Overlap") solve
 on two threads where they can: a round whose shares are known is solved on a copy of the
 ILP beside the simulation of the round before (``_SolveBeside``), with the same model and
 objective as in place, so the same plan. Ties in the objective are broken
@@ -1305,10 +1310,53 @@ def _parameters(
 
 def _run(ilp: IlpBuilder, time_limit_s: float, mip_gap: float) -> int:
     ilp.held = None
+    model = linear_solver_pb2.MPModelProto()
+    ilp.lp.ExportModelToProto(model)
+    held = _relaxed(model, ilp.solver, time_limit_s)
+    if held is not None:
+        ilp.restore(held)
+        return pywraplp.Solver.OPTIMAL
     ilp.lp.SetTimeLimit(int(time_limit_s * 1000))
     params = _parameters(ilp.lp, ilp.solver, mip_gap)
     with _quiet_stdout():
         return ilp.lp.Solve(params)
+
+
+INTEGRAL_TOL = 1e-9  # how far from 0 or 1 an integer variable of the relaxation may lie
+
+
+def _relaxed(
+    model: linear_solver_pb2.MPModelProto, solver: str, time_limit_s: float
+) -> tuple[list[float], float, float] | None:
+    """The ILP's linear relaxation solved (every variable continuous): its solution, held
+    (``IlpBuilder.hold``), where every integer variable came out integral, which makes it
+    the ILP's optimum; else None (the ILP is solved as one). The relaxation of the search's
+    ILP is integral as a rule (Llama-3-8B's bf16 step over (8,8): 8011 integer variables,
+    none fractional, solved in 1.1 s against 3.5 s as an ILP, the same objective)."""
+    relaxed = linear_solver_pb2.MPModelProto()
+    relaxed.CopyFrom(model)
+    integer = [i for i, v in enumerate(relaxed.variable) if v.is_integer]
+    for i in integer:
+        relaxed.variable[i].is_integer = False
+    lp = pywraplp.Solver.CreateSolver(solver)
+    if lp is None or lp.LoadModelFromProto(relaxed):
+        return None
+    lp.SuppressOutput()
+    if solver.upper() == "HIGHS":
+        # (not _quiet_stdout: a solve beside the caller's runs this on another thread, and
+        # two threads swapping fd 1 can leave it closed; HiGHS reads this before its banner)
+        lp.SetSolverSpecificParametersAsString("output_flag=false")
+    lp.SetTimeLimit(int(time_limit_s * 1000))
+    status = lp.Solve()
+    if status != pywraplp.Solver.OPTIMAL:
+        return None
+    values = [v.solution_value() for v in lp.variables()]
+    if any(abs(values[i] - round(values[i])) > INTEGRAL_TOL for i in integer):
+        return None
+    for i in integer:
+        values[i] = float(round(values[i]))
+    value = lp.Objective().Value()
+    return values, value, value
 
 
 BESIDE_SOLVERS = ("HIGHS",)
@@ -1338,6 +1386,7 @@ class _SolveBeside:
         for v, c in ilp.objective_terms(hide_scale).items():
             model.variable[v.index()].objective_coefficient = c
         model.maximize = False
+        self.solver = ilp.solver
         self.lp = pywraplp.Solver.CreateSolver(ilp.solver)
         error = self.lp.LoadModelFromProto(model)
         if error:
@@ -1351,6 +1400,12 @@ class _SolveBeside:
 
     def _solve(self, time_limit_s: float) -> None:
         try:
+            model = linear_solver_pb2.MPModelProto()
+            self.lp.ExportModelToProto(model)
+            relaxed = _relaxed(model, self.solver, time_limit_s)
+            if relaxed is not None:
+                self._out = (pywraplp.Solver.OPTIMAL, relaxed)
+                return
             self.lp.SetTimeLimit(int(time_limit_s * 1000))
             status = self.lp.Solve(self._params)
             held = None
@@ -1533,13 +1588,13 @@ def _bounded(
             return status, None
         report = ilp.evaluate(lv)
         points = _new_cuts(ilp, report, budget)
-        objective = ilp.lp.Objective()
+        value, best_bound = ilp.objective_value()
         log.info(
             "autopar: solve round %d: %.4f ms (bound %.4f ms), peak %.2f of %.2f MiB "
             "per rank%s; %d variables, %d constraints",
             round_ + 1,
-            objective.Value() / _SCALE * 1e3,
-            objective.BestBound() / _SCALE * 1e3,
+            value / _SCALE * 1e3,
+            best_bound / _SCALE * 1e3,
             report.peak_bytes / _MIB,
             budget / _MIB,
             f": bounding {len(points)} more points" if points else ": fits",
@@ -1577,7 +1632,7 @@ def smallest_budget(
         report = ilp.evaluate(lv)
         if best is None or report.peak_bytes < best.peak_bytes:
             best = report
-        points = _new_cuts(ilp, report, bound.solution_value() * _MIB)
+        points = _new_cuts(ilp, report, ilp.value(bound) * _MIB)
         if not points:
             return best
         for i in points:

@@ -18,7 +18,7 @@ import warnings
 
 import pytest
 import torch
-from ortools.linear_solver import pywraplp
+from ortools.linear_solver import linear_solver_pb2, pywraplp
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 import autopar.passes.solve as solve_pass
@@ -220,6 +220,39 @@ def test_no_plan_within_the_time_limit_is_an_error_that_says_so(monkeypatch):
     assert "raise time_limit_s" in str(e.value) and "memory" not in str(e.value).split(":")[0]
 
 
+def _binary_model(rhs: float, profit: tuple[float, float]):
+    """max profit . (x, y) with x + y <= rhs, x and y binary, as a model proto."""
+    lp = pywraplp.Solver.CreateSolver("HIGHS")
+    x, y = lp.IntVar(0, 1, "x"), lp.IntVar(0, 1, "y")
+    lp.Add(x + y <= rhs)
+    lp.Maximize(profit[0] * x + profit[1] * y)
+    model = linear_solver_pb2.MPModelProto()
+    lp.ExportModelToProto(model)
+    return model
+
+
+def test_an_integral_relaxation_is_the_ilps_optimum_and_a_fractional_one_is_not_taken():
+    # x + y <= 1: the relaxation's optimum is a vertex, x = 1, as the ILP's
+    values, value, bound = solve_pass._relaxed(_binary_model(1.0, (2.0, 1.0)), "HIGHS", 10.0)
+    assert values == [1.0, 0.0] and value == bound == 2.0
+    # x + y <= 1.5: the relaxation takes half of y, the ILP cannot: solved as an ILP
+    assert solve_pass._relaxed(_binary_model(1.5, (2.0, 1.0)), "HIGHS", 10.0) is None
+
+
+def test_the_search_takes_the_relaxation_where_it_is_integral_and_the_ilp_elsewhere(monkeypatch):
+    space = _space(batch=64, hidden=1024, ffn=4096, data_parallel=False)
+    exact = solve(space)
+    taken = []
+    real = solve_pass._relaxed
+    monkeypatch.setattr(solve_pass, "_relaxed", lambda *a: taken.append(real(*a)) or taken[-1])
+    assert solve(space).choice == exact.choice and taken and taken[-1] is not None
+    # with no relaxation taken, the ILP itself gives the same plan
+    monkeypatch.setattr(solve_pass, "_relaxed", lambda *a: None)
+    again = solve(space)
+    assert again.choice == exact.choice
+    assert again.objective_s == pytest.approx(exact.objective_s, rel=1e-9)
+
+
 def test_a_held_solution_is_read_after_a_later_solve():
     # the overlap rounds undo a round by reading the last plan again, not by solving again
     space = _space(batch=64, hidden=1024, ffn=4096, data_parallel=False)
@@ -233,8 +266,8 @@ def test_a_held_solution_is_read_after_a_later_solve():
     assert ilp.choice()["h"] != first["h"]
     ilp.restore(held)
     assert ilp.choice() == first and ilp.objective_value() == (value, bound)
-    solve_pass._run(ilp, 60, 0.0)  # a solve reads its own solution again
-    assert ilp.held is None and ilp.choice()["h"] != first["h"]
+    solve_pass._run(ilp, 60, 0.0)  # a solve reads its own solution again, not the held one
+    assert ilp.held is not held and ilp.choice()["h"] != first["h"]
     # a variable a later round made (memory cuts make a fold group's r at its first use)
     # is not in the held solution: 0 there, as the plan held has none of it
     later = ilp.lp.BoolVar("r_later")
