@@ -247,6 +247,20 @@ def _chain(device: torch.device, view: bool) -> Callable[[], object]:
     return lambda: run([x0])  # a boxed call empties its list
 
 
+def _training_step(pm, *batch: torch.Tensor) -> Callable[[], None]:
+    """One step of ``pm`` on this rank's part of ``batch`` as a training loop runs it:
+    forward, backward, the gradients let go."""
+    local = pm.shard_inputs(*batch)
+    params = list(pm.parameters())
+
+    def step() -> None:
+        pm(*local).backward()
+        for p in params:
+            p.grad = None
+
+    return step
+
+
 def _node_ops(pm) -> list[tuple[str, bool]]:
     """The op nodes of a compiled step's graphs: ``(profiler name, runs a kernel)`` each."""
     return [
@@ -303,14 +317,7 @@ def _host_ops_rank(
             model, mesh, (tokens,), loss_fn=cross_entropy_loss, example_targets=(targets,),
             mp_policy=policy, device="h100" if device_type == "cuda" else "cpu",
         )  # fmt: skip
-        local = pm.shard_inputs(tokens, targets)
-        params = list(pm.parameters())
-
-        def step(pm=pm, local=local, params=params):
-            pm(*local).backward()
-            for p in params:
-                p.grad = None
-
+        step = _training_step(pm, tokens, targets)
         step()
         fns.append(step)
         for name, kernel in _node_ops(pm):
@@ -359,21 +366,14 @@ def _runtime_rank(
         pm = compile_step(model, mesh, (x,), loss_fn=torch.nn.functional.mse_loss,
                           example_targets=(y,),
                           device="h100" if device_type == "cuda" else "cpu")  # fmt: skip
-        local = pm.shard_inputs(x, y)
-        params = list(pm.parameters())
-
-        def step(pm=pm, local=local, params=params):
-            pm(*local).backward()
-            for p in params:
-                p.grad = None
-
+        step = _training_step(pm, x, y)
         if pm.plan.collectives:
             raise RuntimeError(
                 f"the runtime's chain of {depth} layers was planned with collectives; "
                 "its time would not be the host's alone"
             )
         steps.append(step)
-        counts.append((len(params), _node_ops(pm)))
+        counts.append((len(list(pm.parameters())), _node_ops(pm)))
     dist.barrier()  # every rank compiled: they step side by side
     times = _spread_times(steps, device, reps, seconds)
     return [(*c, median_of_means(t)) for c, t in zip(counts, times)]
