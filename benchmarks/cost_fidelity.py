@@ -205,10 +205,7 @@ def _measure_gpu(rank, world, profile_path, example, size, precision, seconds):
         for s in spans:
             if s.stream == COMPUTE:
                 kinds[_kernel_kind(s.what)] += s.dur_s
-        host = plan.cost.get("host_start_s", 0.0) + plan.cost.get("host_end_s", 0.0)
-        host += sum(plan.nodes[s.name.removeprefix("recompute:")].host_s for s in spans
-                    if s.stream == COMPUTE)  # fmt: skip
-        predicted[name] = (step_length(spans), kinds, host)
+        predicted[name] = (step_length(spans), kinds, plan.host_s())
     step = _backward_step(pm, pm.shard_inputs(*inputs, *targets))
     for _ in range(3):
         step()

@@ -1386,7 +1386,7 @@ class _SolveBeside:
         for v, c in ilp.objective_terms(hide_scale).items():
             model.variable[v.index()].objective_coefficient = c
         model.maximize = False
-        self.solver = ilp.solver
+        self.solver, self._model = ilp.solver, model
         self.lp = pywraplp.Solver.CreateSolver(ilp.solver)
         error = self.lp.LoadModelFromProto(model)
         if error:
@@ -1400,9 +1400,7 @@ class _SolveBeside:
 
     def _solve(self, time_limit_s: float) -> None:
         try:
-            model = linear_solver_pb2.MPModelProto()
-            self.lp.ExportModelToProto(model)
-            relaxed = _relaxed(model, self.solver, time_limit_s)
+            relaxed = _relaxed(self._model, self.solver, time_limit_s)
             if relaxed is not None:
                 self._out = (pywraplp.Solver.OPTIMAL, relaxed)
                 return
