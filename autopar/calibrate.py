@@ -17,8 +17,8 @@ What is measured, each after warm-up:
     mem_bandwidth       a clone of a large tensor: bytes read + written over its time; on
                         CUDA, the elementwise kernels of a bf16 step at a layer's size
                         instead (``measure_elementwise_bandwidth``: an add, a multiply by
-                        a broadcast row, a cast from float32), which reach about two
-                        thirds of a clone's
+                        a broadcast row, a cast from float32), which reach about three
+                        fifths of a clone's
     kernel_launch       on the CPU, a one-element add, as the emitted step runs one op of
                         its graph (``measure_step_ops``: an fx graph of adds run as its
                         generated code): the fixed cost of an op, the one clock's; on
@@ -275,7 +275,6 @@ def _profiled_ops(fns: Sequence[Callable[[], object]], names: set[str], device, 
     """The host's seconds per call of each op in ``names`` (``aten::mm``) as ``fns`` run it,
     under torch's profiler (CPU activity alone): the median of the calls that no other of
     ``names`` made (an op that calls another counts once, with what it calls)."""
-
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(reps):
             for fn in fns:

@@ -313,6 +313,4 @@ def runs_kernel(op: Any) -> bool:
 def host_time(profile: DeviceProfile, op: Any) -> float:
     """Host seconds to issue one node of ``op`` where the host runs ahead of the device
     (module docstring); 0 on a profile of one clock."""
-    if not profile.host_clock:
-        return 0.0
     return profile.host_time(profiler_name(op), runs_kernel(op))

@@ -153,7 +153,7 @@ class DeviceProfile:
     host_op_costs: tuple[tuple[str, float], ...] = ()
     """Host seconds per node of an op, by its name as torch's profiler spells it
     (``aten::mm``), where they differ from ``host_launch`` (a matmul's call costs about
-    two of an add's, an attention kernel's several): ``(name, seconds)`` pairs, used only
+    three of an add's, an attention kernel's ten or more): ``(name, seconds)`` pairs, used only
     where ``host_launch`` > 0."""
 
     overlaps_collectives: bool = True

@@ -241,11 +241,11 @@ a budget the ILP always has a solution.
 Solved to within ``mip_gap`` (default ``MIP_GAP``, 0.01%) of the optimum with HiGHS through
 OR-Tools' ``pywraplp`` (single thread: deterministic). Each solve first solves the linear
 relaxation (every variable continuous, ``_relaxed``): where every integer variable comes
-out integral, that is the ILP's optimum, exactly, and the ILP is not solved (the search's
-relaxation is integral as a rule: Llama-3-8B's bf16 step over (8,8), 8011 integer
-variables, solved in 1.1 s against 3.5 s as an ILP, with the same objective; its four
-rounds' solves took the plan from 34 s to 27-30 s); elsewhere the ILP is solved. The overlap rounds ("Overlap") solve
-on two threads where they can: a round whose shares are known is solved on a copy of the
+out integral, that is the ILP's optimum, exactly, and the ILP is not solved; elsewhere the
+ILP is solved, in what is left of the time limit. The search's relaxation is integral as a
+rule: Llama-3-8B's bf16 step over (8,8), 8011 integer variables, solved in 1.1 s against
+3.5 s as an ILP, with the same objective; with its four rounds so solved, the plan went
+from 34 s to 27-30 s. The overlap rounds ("Overlap") solve on two threads where they can: a round whose shares are known is solved on a copy of the
 ILP beside the simulation of the round before (``_SolveBeside``), with the same model and
 objective as in place, so the same plan. Ties in the objective are broken
 towards the earlier strategy: x[v,k] costs ``TIE_BREAK_US`` * k / K_v * n_v microseconds more
@@ -1312,11 +1312,12 @@ def _run(ilp: IlpBuilder, time_limit_s: float, mip_gap: float) -> int:
     ilp.held = None
     model = linear_solver_pb2.MPModelProto()
     ilp.lp.ExportModelToProto(model)
+    t0 = time.perf_counter()
     held = _relaxed(model, ilp.solver, time_limit_s)
     if held is not None:
         ilp.restore(held)
         return pywraplp.Solver.OPTIMAL
-    ilp.lp.SetTimeLimit(int(time_limit_s * 1000))
+    ilp.lp.SetTimeLimit(_left_ms(time_limit_s, t0))
     params = _parameters(ilp.lp, ilp.solver, mip_gap)
     with _quiet_stdout():
         return ilp.lp.Solve(params)
@@ -1325,14 +1326,18 @@ def _run(ilp: IlpBuilder, time_limit_s: float, mip_gap: float) -> int:
 INTEGRAL_TOL = 1e-9  # how far from 0 or 1 an integer variable of the relaxation may lie
 
 
+def _left_ms(time_limit_s: float, t0: float) -> int:
+    """Milliseconds left of ``time_limit_s`` since ``t0`` (the relaxation took the rest), at
+    least one second's."""
+    return int(max(time_limit_s - (time.perf_counter() - t0), 1.0) * 1000)
+
+
 def _relaxed(
     model: linear_solver_pb2.MPModelProto, solver: str, time_limit_s: float
 ) -> tuple[list[float], float, float] | None:
     """The ILP's linear relaxation solved (every variable continuous): its solution, held
     (``IlpBuilder.hold``), where every integer variable came out integral, which makes it
-    the ILP's optimum; else None (the ILP is solved as one). The relaxation of the search's
-    ILP is integral as a rule (Llama-3-8B's bf16 step over (8,8): 8011 integer variables,
-    none fractional, solved in 1.1 s against 3.5 s as an ILP, the same objective)."""
+    the ILP's optimum; else None (the ILP is solved as one; module docstring)."""
     relaxed = linear_solver_pb2.MPModelProto()
     relaxed.CopyFrom(model)
     integer = [i for i, v in enumerate(relaxed.variable) if v.is_integer]
@@ -1400,11 +1405,12 @@ class _SolveBeside:
 
     def _solve(self, time_limit_s: float) -> None:
         try:
+            t0 = time.perf_counter()
             relaxed = _relaxed(self._model, self.solver, time_limit_s)
             if relaxed is not None:
                 self._out = (pywraplp.Solver.OPTIMAL, relaxed)
                 return
-            self.lp.SetTimeLimit(int(time_limit_s * 1000))
+            self.lp.SetTimeLimit(_left_ms(time_limit_s, t0))
             status = self.lp.Solve(self._params)
             held = None
             if _solved(status):
