@@ -58,7 +58,11 @@ class _LocalShards(torch.autograd.Function):
     @staticmethod
     def forward(ctx, mesh, *params):
         ctx.mesh = mesh
-        ctx.metas = [(p.placements, p.shape, p.stride()) for p in params]
+        # NOTE: private attribute: a DTensor's spec (mesh, placements, global shape, stride,
+        # dtype) has no public getter; the backward wraps each gradient with it as FSDP2
+        # does (``_from_local_no_grad``), which ``DTensor.from_local`` rebuilds per call at
+        # ~25 us a parameter (tests/unit/test_parallel_module.py checks the two agree).
+        ctx.specs = [p._spec for p in params]
         # a view, as to_local hands one: the output is a new tensor autograd can own
         out = tuple(t.view_as(t) for t in (p.to_local() for p in params))
         frozen = [t for t, p in zip(out, params) if not p.requires_grad]
@@ -68,16 +72,24 @@ class _LocalShards(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        out: list = [None]
-        for g, (placements, shape, stride) in zip(grads, ctx.metas):
-            if g is None:
-                out.append(None)
-                continue
-            out.append(
-                DTensor.from_local(g, ctx.mesh, placements, run_check=False, shape=shape,
-                                   stride=stride)
-            )  # fmt: skip
-        return tuple(out)
+        return (None, *(_as_grad(g, spec, ctx.mesh) for g, spec in zip(grads, ctx.specs)))
+
+
+def _as_grad(g: torch.Tensor | None, spec, mesh) -> DTensor | None:
+    """The local gradient ``g`` as a DTensor gradient of the parameter whose spec is
+    ``spec``: what ``DTensor.from_local(g, mesh, placements, shape=, stride=)`` makes, a
+    fresh tensor object sharing ``g``'s memory, without its per-call spec and autograd node
+    (the backward runs without grad)."""
+    if g is None:
+        return None
+    if g.dtype != spec.tensor_meta.dtype or torch.is_grad_enabled():  # a cast; double backward
+        meta = spec.tensor_meta
+        return DTensor.from_local(
+            g, mesh, spec.placements, run_check=False, shape=meta.shape, stride=meta.stride
+        )
+    # NOTE: DTensor's own constructor is private (its docstring); FSDP2 builds its
+    # gradients with it the same way (see the note in _LocalShards.forward)
+    return DTensor(g.view_as(g), spec, requires_grad=False)
 
 
 class ParallelModule(nn.Module):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -175,3 +176,55 @@ def test_the_attention_kernels_autopar_sdpa_calls_take_what_core_ops_passes():
     assert args(aten._scaled_dot_product_flash_attention_for_cpu)[:5] == [
         "query", "key", "value", "dropout_p", "is_causal"
     ]  # fmt: skip
+
+
+@pytest.fixture
+def fake_world():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this pytest process")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    yield
+    dist.destroy_process_group()
+
+
+def test_dtensor_spec_and_constructor_the_runtime_wraps_gradients_with(fake_world):
+    # runtime/parallel_module._LocalShards reads each parameter's ``_spec`` and builds its
+    # gradient with DTensor's own constructor; it must be what DTensor.from_local makes
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+
+    from autopar.runtime.parallel_module import _LocalShards
+
+    mesh = init_device_mesh("cpu", (2, 2))
+    params = [
+        nn.Parameter(
+            DTensor.from_local(
+                torch.randn(3, 4), mesh, (Shard(0), Replicate()), shape=(5, 4), stride=(4, 1)
+            )
+        ),
+        nn.Parameter(DTensor.from_local(torch.randn(2, 3).t(), mesh, (Replicate(), Shard(1)))),
+    ]
+    for p in params:
+        assert p._spec.placements == p.placements
+        assert tuple(p._spec.tensor_meta.shape) == tuple(p.shape)
+    local = _LocalShards.apply(mesh, *params)
+    sum((t * (i + 2)).sum() for i, t in enumerate(local)).backward()
+    for i, p in enumerate(params):
+        ref = DTensor.from_local(
+            torch.full_like(p.to_local(), i + 2.0),
+            mesh,
+            p.placements,
+            shape=p.shape,
+            stride=p.stride(),
+        )
+        g = p.grad
+        assert type(g) is DTensor and g.requires_grad is False
+        assert (g.placements, g.shape, g.stride(), g.dtype) == (
+            ref.placements,
+            ref.shape,
+            ref.stride(),
+            ref.dtype,
+        )
+        assert torch.equal(g.to_local(), ref.to_local())
