@@ -7,7 +7,8 @@ What it shows, all read from the plan's JSON (nothing is re-planned):
     - the step memory per rank at its peak, by category, against the budget, and the layers
       checkpointed;
     - the collectives of one step by kind and mesh axis, with their bytes and time, split
-      into gradient reductions (at the step's outputs) and reshards (between operators);
+      into gradient reductions (at the step's outputs), the loss's own (``output``) and
+      reshards (between operators);
     - the estimated step time: compute, then each kind of collective.
 """
 
@@ -60,8 +61,9 @@ def _mib(nbytes: float) -> str:
 
 
 def collective_rows(plan: Plan) -> list[dict]:
-    """The plan's collectives per step summed by purpose (``gradient reduction`` at the
-    step's outputs, ``reshard`` between operators), kind and mesh axis, sorted."""
+    """The plan's collectives per step summed by purpose (core/schedule ``purpose``:
+    ``gradient reduction``, ``output`` into the loss or another returned value, ``reshard``
+    between operators), kind and mesh axis, sorted."""
     by: dict[tuple, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
     for c in plan.collectives:
         acc = by[(purpose(c), c["kind"], c["axis"])]

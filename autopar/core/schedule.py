@@ -12,7 +12,8 @@ communication, from the plan's per-node costs and predicted collectives:
       ``recompute:dst``;
     - gradient reductions (edges into the step's outputs) run on the communication stream
       after their gradient is made; a bucket of them (passes/buckets: an entry with
-      ``bucket``) after its last gradient;
+      ``bucket``) after its last gradient; the other edges into the outputs (the loss's,
+      ``purpose`` ``output``) as a gradient reduction that is not in a bucket;
     - a collective an op runs inside itself (edge ``n->n``: a load-balanced or ring
       attention's exchanges, a class-split cross-entropy's reductions, passes/solve) is
       already in the node's ``cost_s``, overlapped
@@ -99,8 +100,14 @@ COMPUTE, COMM, HOST = "compute", "communication", "host"
 
 
 def purpose(collective: dict) -> str:
-    """``gradient reduction`` (an edge into the step's outputs) or ``reshard``."""
-    return "gradient reduction" if "->output[" in collective["edge"] else "reshard"
+    """``gradient reduction`` (an edge into a gradient the step returns, ``a->output[3]
+    (as primals_3)``, or a bucket of them), ``output`` (into another value it returns
+    replicated: the loss, or a model's output where there is no loss) or ``reshard``
+    (between operators)."""
+    edge = collective["edge"]
+    if "->output[" not in edge:
+        return "reshard"
+    return "gradient reduction" if " (as " in edge or "bucket" in collective else "output"
 
 
 @dataclass(frozen=True)
@@ -185,7 +192,7 @@ def schedule(plan: Plan, *, overlap: bool = False) -> list[Span]:
         if src == dst:
             inside[src].append(c)
             continue
-        if purpose(c) == "gradient reduction":
+        if purpose(c) != "reshard":  # into the step's outputs
             if "bucket" in c and src in position:  # issued after its last gradient
                 point = src
                 if c.get("step", 0) > 0 and c.get("overlap") and not overlap:

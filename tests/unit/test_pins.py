@@ -12,7 +12,7 @@ from autopar import Mesh, experts
 from autopar.api import PlanMismatchError
 from autopar.core.schedule import inside_op
 from autopar.passes.solve import SolveError
-from autopar.show import purpose
+from autopar.show import collective_rows, purpose
 from autopar.verify import build_example
 
 MESH_4 = Mesh((4,), ("dp",), device="h100")
@@ -76,6 +76,12 @@ def test_dp_expert_plan_reduces_gradients_and_nothing_else_on_its_axis(gpt):
     tensors = [c for c in plan.collectives if c["nbytes"] > 8]
     assert tensors and {purpose(c) for c in tensors} == {"gradient reduction"}
     assert {c["kind"] for c in plan.collectives} == {"all_reduce"}
+    # the loss itself, all-reduced into the one value every rank returns, is not a gradient's
+    (loss,) = [c for c in plan.collectives if purpose(c) == "output"]
+    assert loss["edge"].endswith("->output[0]") and loss["nbytes"] == 4
+    assert ("output", "all_reduce", "dp") in {
+        (r["purpose"], r["kind"], r["axis"]) for r in collective_rows(plan)
+    }
     # every gradient once, in DDP's buckets of 25 MiB (this model's fit in one)
     assert sum(len(c["params"]) for c in tensors) == len(plan.params)
     assert len(tensors) == plan.stats["buckets"] == 1
