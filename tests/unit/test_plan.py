@@ -142,3 +142,31 @@ def test_plan_step_on_a_traced_step_records_every_stage():
     for stage in ("trace", "fold", "strategies", "solve"):
         assert f"{stage}_s" in plan.stats, stage
     assert plan.stats["strategies"] > n_nodes and plan.stats["variables"] > 0
+
+
+def test_planning_pauses_the_garbage_collector_and_gives_it_back(monkeypatch):
+    import gc
+
+    from autopar import api
+
+    seen = []
+    run = api.run_stages
+
+    def recording(stages, *args, **kw):
+        seen.append((stages[0].name, gc.isenabled(), gc.get_freeze_count() > 0))
+        return run(stages, *args, **kw)
+
+    monkeypatch.setattr(api, "run_stages", recording)
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    _gpt_plan(Mesh((2,), ("dp",)))
+    # planning and its report stages ran with the collector off and the graph frozen
+    assert ("fold", False, True) in seen and ("order", False, True) in seen
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    # a process that turned the collector off keeps it off
+    gc.disable()
+    try:
+        seen.clear()
+        _gpt_plan(Mesh((2,), ("dp",)))
+        assert ("fold", False, False) in seen and not gc.isenabled()
+    finally:
+        gc.enable()
