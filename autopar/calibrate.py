@@ -19,6 +19,13 @@ What is measured, each after warm-up:
                         instead (``measure_elementwise_bandwidth``: an add, a multiply by
                         a broadcast row, a cast from float32), which reach about three
                         fifths of a clone's
+    bandwidth_curve     on the CPU, float32 elementwise kernels (an add, a multiply by a
+                        broadcast row, a copy) on 4 KiB to 64 MiB tensors: bytes/s by the
+                        bytes one call moves (``measure_bandwidth_curve``). A small
+                        step's tensors stay in the caches: on a 2-core VM they ran at
+                        ~150 GB/s at 256 KiB and ~4 GB/s at 64 MiB, where the clone above
+                        gives ~4; priced at the clone's, a zoo step's adds and multiplies
+                        came out six times their time
     kernel_launch       on the CPU, a one-element add, as the emitted step runs one op of
                         its graph (``measure_step_ops``: an fx graph of adds run as its
                         generated code): the fixed cost of an op, the one clock's; on
@@ -53,7 +60,15 @@ What is measured, each after warm-up:
                         ``median_of_means``: ranks beside each other take each other's
                         cores now and then; on CUDA on one), their nodes taken off at
                         those costs: the runtime's time per step and per parameter
-                        (``measure_runtime``, ``step_overhead``, ``param_overhead``)
+                        (``measure_runtime``, ``step_overhead``, ``param_overhead``);
+                        on the CPU a small GPT's step (every rank the whole of it) beside
+                        them, less its plan's compute as the profile so far prices it and
+                        less the chains' line: what is left, per node (~7.5 us on a 2-core
+                        VM, where the chain's add is ~3.4 us), goes on ``kernel_launch``
+                        and ``view_launch``. A real step's op costs more than a
+                        one-element add in a loop, and its graphs save and hand over far
+                        more tensors; without it a zoo step's compute came out at half its
+                        time once its elementwise kernels were priced by size
 
 The kernel curves and the per-op and per-view costs are medians of calls timed in rounds
 (each curve's points taken in turn, ``_spread_medians``) spread over a second or two: a
@@ -93,7 +108,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.profiler import ProfilerActivity, profile
 
 from .api import compile as compile_step
-from .core import ops
+from .api import plan as plan_model
+from .core import Mesh, ops
 from .core.precision import MixedPrecision
 from .cost_models import (
     DeviceProfile,
@@ -101,6 +117,7 @@ from .cost_models import (
     collective_time,
     get_profile,
     profiler_name,
+    register_profile,
     runs_kernel,
 )
 from .models import GPT, GPTConfig, cross_entropy_loss, lm_batch
@@ -135,6 +152,14 @@ _PLANS = {
     ),
     "quick": ((32, 64, 128), (64, 128), (2**12, 2**18, 2**22), 3, 0.0),
 }
+
+_BANDWIDTH_SIZES = {
+    "cpu": (2**10, 2**12, 2**14, 2**16, 2**18, 2**20, 2**22, 2**24),
+    "quick": (2**10, 2**14, 2**18, 2**22),
+}
+"""Elements per tensor of the elementwise curve (``measure_bandwidth_curve``), float32: 4
+KiB to 64 MiB, from the caches to memory. CUDA has none yet (``mem_bandwidth`` is its
+elementwise kernels' rate at a layer's size)."""
 
 ATTENTION_TOKENS = 16384
 """Tokens of the filling batch the CUDA attention curve also times (``measure_attention``)."""
@@ -346,15 +371,24 @@ def measure_host_ops(
 
 
 def _runtime_rank(
-    rank: int, world: int, depths: Sequence[int], reps: int, seconds: float, device_type: str
+    rank: int,
+    world: int,
+    depths: Sequence[int],
+    reps: int,
+    seconds: float,
+    device_type: str,
+    priced: DeviceProfile | None = None,
 ) -> list[tuple]:
     """On one rank: a chain of ``depth`` tiny linear layers compiled by autopar on this
     rank's mesh (kernels of a few elements, each replicated: no collective), each step timed
     as a training loop runs it (forward, backward, gradients dropped), the depths in rounds
-    over at least ``seconds``; per depth ``(parameters, nodes, seconds)``, the nodes those
+    over at least ``seconds``; per depth ``(parameters, nodes, seconds, 0)``, the nodes those
     of the compiled graphs (``_node_ops``), the seconds the mean step (``median_of_means``:
     as the ranks run beside each other their threads take each other's cores now and then,
-    a scheduler tick, which a loop's time per step holds at the rate it comes)."""
+    a scheduler tick, which a loop's time per step holds at the rate it comes). With
+    ``priced`` (the profile being calibrated, so far), a small GPT too (fused attention,
+    every rank running the whole step), its row's last entry the compute its plan prices with
+    ``priced`` (the nodes' roofline times and calls)."""
     device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
     mesh = init_device_mesh(device_type, (world,), mesh_dim_names=("dp",))
     steps, counts = [], []
@@ -372,10 +406,27 @@ def _runtime_rank(
                 "its time would not be the host's alone"
             )
         steps.append(step)
-        counts.append((len(list(pm.parameters())), _node_ops(pm)))
+        counts.append((len(list(pm.parameters())), _node_ops(pm), 0.0))
+    if priced is not None:
+        register_profile(priced)
+        cfg = GPTConfig(sdpa=True)
+        tokens, targets = lm_batch(cfg.vocab, 8, cfg.seq, device=device)
+        torch.manual_seed(0)
+        with torch.device(device):
+            gpt = GPT(cfg)
+        # every rank the whole step: nothing split, no collective ("reshard:dp": none)
+        whole = plan_model(gpt, Mesh((world,), ("dp",), device=priced.name), (tokens,),
+                           loss_fn=cross_entropy_loss, example_targets=(targets,),
+                           constraints={"*": "R", "input:*": "R", "reshard:dp": "none"})  # fmt: skip
+        pm = compile_step(gpt, mesh, (tokens,), loss_fn=cross_entropy_loss,
+                          example_targets=(targets,), plan=whole)  # fmt: skip
+        if pm.plan.collectives:
+            raise RuntimeError("the runtime's GPT was planned with collectives")
+        steps.append(_training_step(pm, tokens, targets))
+        counts.append((len(list(pm.parameters())), _node_ops(pm), pm.plan.cost["compute_s"]))
     dist.barrier()  # every rank compiled: they step side by side
     times = _spread_times(steps, device, reps, seconds)
-    return [(*c, median_of_means(t)) for c, t in zip(counts, times)]
+    return [(p, n, median_of_means(t), c) for (p, n, c), t in zip(counts, times)]
 
 
 def measure_runtime(
@@ -386,25 +437,48 @@ def measure_runtime(
     nproc: int = 1,
     device_type: str = "cpu",
     host_ops: dict[str, float] | None = None,
-) -> tuple[float, float]:
-    """``(step_overhead, param_overhead)``: a step's host time outside its graph's nodes,
-    fixed and per parameter. Two chains of tiny layers are compiled and timed
-    (``_runtime_rank``, on ``nproc`` ranks of the local launcher stepping side by side, the
-    slowest rank's); their nodes priced at ``host_ops``' time of their op, else
-    ``step_op`` (``view_op`` for a view), are taken off, and the line through the two rests
-    by parameter count gives the two terms (each at least 0)."""
-    host_ops = host_ops or {}
-    backend = "nccl" if device_type == "cuda" else "gloo"
-    per_rank = run_local(_runtime_rank, nproc, (1, 8), reps, seconds, device_type, backend=backend)
-    rows = [max(depth, key=lambda row: row[2]) for depth in zip(*per_rank)]
+    priced: DeviceProfile | None = None,
+) -> tuple[float, float, float]:
+    """``(step_overhead, param_overhead, node_overhead)``: a step's host time outside its
+    graph's nodes, fixed and per parameter, and per node beyond what the profile prices.
+    Two chains of tiny layers are compiled and timed (``_runtime_rank``, on ``nproc`` ranks
+    of the local launcher stepping side by side, the slowest rank's); their nodes priced at
+    ``host_ops``' time of their op, else ``step_op`` (``view_op`` for a view), are taken
+    off, and the line through the two rests by parameter count gives the first two terms
+    (each at least 0), and 0 for the third.
 
-    def rest(nodes, t):
+    With ``priced`` (the CPU's profile so far), a small GPT's step is timed beside them,
+    less the compute ``priced`` gives its plan and the line's two terms: what is left, per
+    node of its graphs, is the third term. A real step's op costs more than the chain's
+    one-element add, and its graphs save and hand over far more tensors."""
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    per_rank = run_local(
+        _runtime_rank, nproc, (1, 8), reps, seconds, device_type, priced, backend=backend
+    )
+    rows = [max(model, key=lambda row: row[2]) for model in zip(*per_rank)]
+    return runtime_terms(rows, step_op, view_op, host_ops or {})
+
+
+def runtime_terms(
+    rows: Sequence[tuple], step_op: float, view_op: float, host_ops: dict[str, float]
+) -> tuple[float, float, float]:
+    """``measure_runtime``'s three terms from ``_runtime_rank``'s rows, the slowest rank's:
+    two chains, then (where timed) the GPT."""
+
+    def rest(nodes, t, compute):
+        if compute:  # priced by the profile: roofline and call per node
+            return t - compute
         return t - sum(host_ops.get(n, step_op if k else view_op) for n, k in nodes)
 
-    (p1, n1, t1), (p2, n2, t2) = rows
-    r1, r2 = rest(n1, t1), rest(n2, t2)
+    rests = [rest(n, t, c) for _, n, t, c in rows]
+    (p1, _, _, _), (p2, _, _, _) = rows[:2]
+    r1, r2 = rests[:2]
     per_param = max((r2 - r1) / (p2 - p1), 0.0)
-    return max(r1 - per_param * p1, 0.0), per_param
+    line = (max(r1 - per_param * p1, 0.0), per_param, 0.0)
+    if len(rows) < 3:
+        return line
+    (p3, n3, _, _), r3 = rows[2], rests[2]
+    return line[0], line[1], max((r3 - line[0] - line[1] * p3) / len(n3), 0.0)
 
 
 def measure_kernel_floor(device: torch.device, reps: int = 10) -> float:
@@ -454,6 +528,46 @@ def measure_elementwise_bandwidth(device: torch.device, numel: int, reps: int) -
     ]
     times = [_median_time(fn, device, reps) / runs for fn, _ in calls]
     return len(calls) / sum(t / nbytes for (_, nbytes), t in zip(calls, times))
+
+
+def measure_bandwidth_curve(
+    device: torch.device, sizes: Sequence[int], reps: int, launch: float, seconds: float = 0.0
+) -> tuple[tuple[float, float], ...]:
+    """``((bytes one call moves, bytes/s), ...)`` of float32 elementwise kernels on tensors
+    of each of ``sizes`` elements (``[n / 256, 256]``): an add, a multiply by a broadcast row
+    (a norm's weight) and a copy, timed in rounds over at least ``seconds``
+    (``_spread_medians``), each as a run of calls; per size, the harmonic mean of their
+    rates, each its bytes over its time less ``launch`` (the cost model adds the op's call
+    back, as for a matmul: ``_rate``), at the mean bytes of the three calls
+    (``DeviceProfile.bandwidth_curve``)."""
+    calls, moved = [], []
+    for n in sizes:
+        rows = max(n // 256, 1)
+        a, b = torch.randn(rows, 256, device=device), torch.randn(rows, 256, device=device)
+        w = torch.randn(256, device=device)
+        runs = max(1, min(64, (1 << 20) // n))  # a run long enough to time
+        for fn, nbytes in (
+            (functools.partial(torch.add, a, b), 3 * a.nbytes),
+            (functools.partial(torch.mul, a, w), 2 * a.nbytes + w.nbytes),
+            (a.clone, 2 * a.nbytes),
+        ):
+            calls.append(functools.partial(_repeat, fn, runs))
+            moved.append((nbytes, runs))
+    times = _spread_medians(calls, device, reps, seconds)
+    curve = []
+    for i in range(0, len(calls), 3):
+        rates = [
+            nbytes / max(t / runs - launch, t / runs / 2)
+            for (nbytes, runs), t in zip(moved[i : i + 3], times[i : i + 3])
+        ]
+        mean_bytes = sum(nbytes for nbytes, _ in moved[i : i + 3]) / 3
+        curve.append((float(mean_bytes), len(rates) / sum(1 / r for r in rates)))
+    return tuple(curve)
+
+
+def _repeat(fn: Callable[[], object], runs: int) -> None:
+    for _ in range(runs):
+        fn()
 
 
 def measure_bandwidth(device: torch.device, numel: int, reps: int) -> float:
@@ -719,6 +833,15 @@ def calibrate(
         if dev.type == "cuda":  # what the step's elementwise kernels reach
             bandwidth = measure_elementwise_bandwidth(dev, 1 << 24, reps)
             log(f"memory bandwidth {bandwidth / 1e9:.1f} GB/s (elementwise, bf16)")
+        by_size: tuple[tuple[float, float], ...] = ()
+        sizes_bw = _BANDWIDTH_SIZES.get("quick" if quick else dev.type)
+        if sizes_bw:
+            by_size = measure_bandwidth_curve(dev, sizes_bw, reps, launch, spread)
+            log(
+                "elementwise float32 by bytes moved: "
+                + ", ".join(f"{n / 2**10:,.0f} KiB {r / 1e9:.0f}" for n, r in by_size)
+                + " GB/s"
+            )
         rates, peaks = [], []
         for dtype_name in _DTYPES:
             dtype = getattr(torch, dtype_name)
@@ -747,13 +870,6 @@ def calibrate(
             + ", ".join(f"{k} {t * 1e6:.1f}" for k, t in host_ops.items())
             + " us"
         )
-    step_overhead, param_overhead = measure_runtime(
-        step_op, view_op, 10 * reps, spread, nproc if dev.type == "cpu" else 1, dev.type, host_ops
-    )
-    log(
-        f"runtime per step {step_overhead * 1e6:.0f} us and {param_overhead * 1e6:.1f} us "
-        "per parameter"
-    )
     samples: list[Sample] = []
     errors: list[float] = []
     overhead, latency, link_bw = (
@@ -777,27 +893,47 @@ def calibrate(
     else:
         log(f"one rank: no link to measure; the intra-node link is {base_profile.name!r}'s")
     host = platform.node() or "this machine"
-    what = torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor()
-    when = datetime.date.today().isoformat()
     capacity = _memory_capacity(dev)
-    profile = dataclasses.replace(
+    priced = dataclasses.replace(
         base_profile,
         name=name or f"{dev.type}-{host}",
         peak_flops=tuple(peaks),
         kernel_rates=tuple(rates),
         mem_bandwidth=bandwidth,
+        bandwidth_curve=by_size,
         mem_capacity=capacity,
         mem_reserve=min(base_profile.mem_reserve, capacity / 4),
         kernel_launch=kernel_launch,
         view_launch=view_op,
-        step_overhead=step_overhead,
-        param_overhead=param_overhead,
         host_launch=host_launch,
         host_op_costs=tuple(host_ops.items()),
         intra_node_latency=latency,
         intra_node_bandwidth=link_bw,
         collective_overhead=overhead,
         collective_scale=scale,
+    )
+    step_overhead, param_overhead, node_overhead = measure_runtime(
+        step_op,
+        view_op,
+        10 * reps,
+        spread,
+        nproc if dev.type == "cpu" else 1,
+        dev.type,
+        host_ops,
+        priced if dev.type == "cpu" else None,
+    )
+    log(
+        f"runtime per step {step_overhead * 1e6:.0f} us and {param_overhead * 1e6:.1f} us "
+        f"per parameter; {node_overhead * 1e6:.2f} us more per node of a step"
+    )
+    what = torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor()
+    when = datetime.date.today().isoformat()
+    profile = dataclasses.replace(
+        priced,
+        kernel_launch=kernel_launch + node_overhead,
+        view_launch=view_op + node_overhead,
+        step_overhead=step_overhead,
+        param_overhead=param_overhead,
         ranks_per_node=(
             torch.cuda.device_count() if dev.type == "cuda" else base_profile.ranks_per_node
         ),
@@ -819,6 +955,9 @@ def calibrate(
     report = {
         "device": str(dev),
         "threads": 1 if dev.type == "cpu" else None,
+        "step_op": step_op,
+        "view_op": view_op,
+        "node_overhead": node_overhead,
         "collectives": [
             {"kind": k, "ranks": n, "bytes": b, "seconds": t, "fit_error": e}
             for (k, n, b, t), e in zip(samples, errors)

@@ -16,7 +16,8 @@ The model, for an op that runs a kernel::
        fused attention (autopar's sdpa, torch's flash / memory-efficient / cuDNN attention)
        by their curves, anything else at the dtype's peak (``DeviceProfile.flops_for``)
     B  bytes read + written = sum over tensors of numel * element size   ``op_bytes``
-    W  device memory bandwidth that copies reach        ``DeviceProfile.mem_bandwidth``
+    W  device memory bandwidth at B bytes               ``DeviceProfile.bandwidth(B)``
+       (``mem_bandwidth``, or its curve by size where the profile has one: a CPU's caches)
     L  fixed per-op overhead                            ``DeviceProfile.kernel_launch``
 
 ``compute_time`` puts the terms together. F comes from ``torch.utils.flop_counter``'s
@@ -294,7 +295,7 @@ def compute_time(
         nbytes = op_bytes([(s, dtype) for s in read], [(s, dtype) for s in written])
     kind = kernel_kind(op)
     rate = profile.flops_for(dtype) if kind is None else profile.kernel_rate(kind, dtype, flops)
-    roof = max(flops / rate, nbytes / profile.mem_bandwidth)
+    roof = max(flops / rate, nbytes / profile.bandwidth(nbytes))
     return roof + profile.kernel_launch
 
 

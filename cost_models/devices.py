@@ -13,7 +13,9 @@ when it is large (tile and wave quantization, the fixed cost of a launch), and a
 attention kernel runs well below a GEMM's rate. A curve holds ``(FLOPs of one call,
 sustained FLOP/s)`` points for one kind of kernel and dtype; ``kernel_rate`` interpolates it
 linearly in log FLOPs and holds its end values outside it. A kind or dtype without a curve
-runs at ``peak_flops``.
+runs at ``peak_flops``. The memory roof may have a curve the same way (``bandwidth_curve``,
+by the bytes one call moves): where the caches hold a step's tensors (a CPU), its
+elementwise kernels run many times faster than a copy of a large tensor.
 
 Profiles:
     ``"h100"``: NVIDIA H100 SXM5 80GB in an 8-GPU HGX/DGX node, NVLink4 inside a node,
@@ -69,7 +71,8 @@ class DeviceProfile:
     the hardware has them. Must cover float64, float32, bfloat16 and float16."""
 
     mem_bandwidth: float
-    """Device memory bandwidth in bytes/s (the roofline's memory roof)."""
+    """Device memory bandwidth in bytes/s (the roofline's memory roof; ``bandwidth_curve``
+    by size where the profile has one)."""
 
     mem_capacity: float
     """Device memory capacity in bytes."""
@@ -156,6 +159,13 @@ class DeviceProfile:
     three of an add's, an attention kernel's ten or more): ``(name, seconds)`` pairs, used only
     where ``host_launch`` > 0."""
 
+    bandwidth_curve: Curve = ()
+    """The memory roof by size, where it depends on it: ``((bytes read + written by one
+    call, bytes/s), ...)`` of the elementwise kernels a step runs, in increasing bytes
+    (module docstring). A CPU's caches hold a small step's tensors: its adds reach ~150
+    GB/s at 256 KiB and ~4 GB/s at 64 MiB (``autopar calibrate``). Without one, every size
+    runs at ``mem_bandwidth``."""
+
     overlaps_collectives: bool = True
     """Whether the emitted step can run a collective while kernels run (CUDA: NCCL on its
     own stream). passes/codegen overlaps a ring attention's shifts with its blocks only
@@ -226,6 +236,14 @@ class DeviceProfile:
                 raise ValueError(f"{where}: needs points (FLOPs > 0, FLOP/s > 0)")
             if any(b <= a for a, b in zip(works, works[1:])):
                 raise ValueError(f"{where}: FLOPs must increase from point to point")
+        sizes = [n for n, _ in self.bandwidth_curve]
+        if any(not (n > 0 and r > 0) for n, r in self.bandwidth_curve) or any(
+            b <= a for a, b in zip(sizes, sizes[1:])
+        ):
+            raise ValueError(
+                f"profile {self.name!r}: bandwidth_curve needs points (bytes > 0, bytes/s > 0) "
+                "in increasing bytes"
+            )
 
     @property
     def host_clock(self) -> bool:
@@ -271,16 +289,15 @@ class DeviceProfile:
         curve = next((c for k, d, c in self.kernel_rates if k == kind and d == name), None)
         if curve is None:
             return self.flops_for(dtype)
-        if flops <= curve[0][0]:
-            return curve[0][1]
-        if flops >= curve[-1][0]:
-            return curve[-1][1]
-        x = math.log(flops)
-        for (w0, r0), (w1, r1) in zip(curve, curve[1:]):
-            if flops <= w1:
-                f = (x - math.log(w0)) / (math.log(w1) - math.log(w0))
-                return r0 + f * (r1 - r0)
-        raise AssertionError("unreachable: flops is inside the curve")
+        return _interpolate(curve, flops)
+
+    def bandwidth(self, nbytes: float) -> float:
+        """Bytes/s of a memory-bound kernel moving ``nbytes``: ``bandwidth_curve``
+        interpolated linearly in log bytes, held at the ends; ``mem_bandwidth`` without
+        one."""
+        if not self.bandwidth_curve:
+            return self.mem_bandwidth
+        return _interpolate(self.bandwidth_curve, nbytes)
 
     def to_json(self) -> str:
         """The profile as JSON (``load_profile`` reads it back)."""
@@ -298,6 +315,7 @@ class DeviceProfile:
             (str(k), str(t), tuple((float(w), float(r)) for w, r in curve))
             for k, t, curve in d.get("kernel_rates", ())
         )
+        d["bandwidth_curve"] = tuple((float(n), float(r)) for n, r in d.get("bandwidth_curve", ()))
         d["all_reduce_algorithms"] = tuple(d.get("all_reduce_algorithms", ("ring",)))
         d["collective_scale"] = tuple((str(k), float(f)) for k, f in d.get("collective_scale", ()))
         d["host_op_costs"] = tuple((str(k), float(t)) for k, t in d.get("host_op_costs", ()))
@@ -305,6 +323,21 @@ class DeviceProfile:
         # ``cpu-<host>``) ran on gloo
         d.setdefault("overlaps_collectives", not str(d["name"]).startswith("cpu"))
         return cls(**d)
+
+
+def _interpolate(curve: Curve, x: float) -> float:
+    """``curve``'s value at ``x``: linear in log ``x`` between its points, its end values
+    outside them."""
+    if x <= curve[0][0]:
+        return curve[0][1]
+    if x >= curve[-1][0]:
+        return curve[-1][1]
+    lx = math.log(x)
+    for (x0, y0), (x1, y1) in zip(curve, curve[1:]):
+        if x <= x1:
+            f = (lx - math.log(x0)) / (math.log(x1) - math.log(x0))
+            return y0 + f * (y1 - y0)
+    raise AssertionError("unreachable: x is inside the curve")
 
 
 def load_profile(path: str | Path) -> DeviceProfile:

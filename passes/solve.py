@@ -349,12 +349,11 @@ def _node_costs(space: StrategySpace, name: str, profile: DeviceProfile) -> list
     if target == "placeholder" and space.roles[name] in roles.BATCH_ROLES:
         # the batch is read into device memory: each rank reads its local part
         shape, dtype = space.tensor(name)
-        return [
-            math.prod(local_shape(shape, s.output(), space.mesh.shape))
-            * dtype.itemsize
-            / profile.mem_bandwidth
+        sizes = [
+            math.prod(local_shape(shape, s.output(), space.mesh.shape)) * dtype.itemsize
             for s in strats
         ]
+        return [n / profile.bandwidth(n) for n in sizes]
     if target == "placeholder" or not isinstance(target, torch._ops.OpOverload):
         return [0.0] * len(strats)
     args, kwargs = space.calls[name]

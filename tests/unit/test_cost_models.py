@@ -73,6 +73,27 @@ def test_kernel_rate_interpolates_in_log_flops_and_holds_its_ends():
     assert p.kernel_rate("matmul", torch.float64, 1e10) == p.flops_for(torch.float64)
 
 
+def test_a_bandwidth_curve_prices_memory_bound_ops_by_their_size():
+    curve = ((1e4, 10e9), (1e6, 100e9), (1e8, 5e9))  # a CPU: caches, then memory
+    p = dataclasses.replace(H100, bandwidth_curve=curve)
+    assert p.bandwidth(1e5) == pytest.approx(55e9)  # halfway in log bytes
+    assert p.bandwidth(10.0) == 10e9 and p.bandwidth(1e12) == 5e9  # held at the ends
+    assert H100.bandwidth(1e6) == H100.mem_bandwidth  # without a curve: one roof
+    f32 = torch.float32
+
+    def add(numel):
+        return compute_time(p, aten.add.Tensor, (S([numel]),) * 2, {}, S([numel]), f32)
+
+    # an add of 1e6 / 12 elements moves 1e6 bytes: at the curve's fastest point
+    assert add(10**6 // 12) == pytest.approx(10**6 // 12 * 12 / 100e9 + p.kernel_launch)
+    assert add(10**8 // 12) == pytest.approx(10**8 // 12 * 12 / 5e9 + p.kernel_launch)
+    again = DeviceProfile.from_dict(json.loads(p.to_json()))
+    assert again.bandwidth_curve == curve
+    for bad in (((1e6, 1e9), (1e4, 1e9)), ((1e4, 0.0),)):
+        with pytest.raises(ValueError, match="bandwidth_curve"):
+            dataclasses.replace(H100, bandwidth_curve=bad)
+
+
 def test_small_gemms_run_below_large_ones_on_h100():
     def rate(n):
         args = (S([n, n]), S([n, n]))
