@@ -834,9 +834,10 @@ def calibrate(
             bandwidth = measure_elementwise_bandwidth(dev, 1 << 24, reps)
             log(f"memory bandwidth {bandwidth / 1e9:.1f} GB/s (elementwise, bf16)")
         by_size: tuple[tuple[float, float], ...] = ()
-        sizes_bw = _BANDWIDTH_SIZES.get("quick" if quick else dev.type)
-        if sizes_bw:
-            by_size = measure_bandwidth_curve(dev, sizes_bw, reps, launch, spread)
+        if dev.type == "cpu":  # where the caches hold a small step's tensors
+            by_size = measure_bandwidth_curve(
+                dev, _BANDWIDTH_SIZES["quick" if quick else "cpu"], reps, launch, spread
+            )
             log(
                 "elementwise float32 by bytes moved: "
                 + ", ".join(f"{n / 2**10:,.0f} KiB {r / 1e9:.0f}" for n, r in by_size)
