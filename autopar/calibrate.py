@@ -941,8 +941,10 @@ def calibrate(
         source=(
             f"autopar calibrate on {host} ({what or dev.type}), {when}, torch "
             f"{torch.__version__}{', quick' if quick else ''}: matmul and attention curves, "
-            f"memory bandwidth, kernel launch, the host time of views and of the runtime "
-            f"per step{', and per op (the host runs ahead of the device)' if host_ops else ''} "
+            f"memory bandwidth{' (and by size)' if by_size else ''}, kernel launch, the "
+            f"host time of views and of the runtime per step"
+            f"{', and per op (the host runs ahead of the device)' if host_ops else ''}"
+            f"{', and per node of a step' if node_overhead else ''} "
             + (
                 f"and the intra-node link ({'NCCL' if dev.type == 'cuda' else 'gloo'}, "
                 f"{nproc} ranks) measured; the inter-node link"

@@ -61,7 +61,7 @@ class _LocalShards(torch.autograd.Function):
         # NOTE: private attribute: a DTensor's spec (mesh, placements, global shape, stride,
         # dtype) has no public getter; the backward wraps each gradient with it as FSDP2
         # does (``_from_local_no_grad``), which ``DTensor.from_local`` rebuilds per call at
-        # ~25 us a parameter (tests/unit/test_parallel_module.py checks the two agree).
+        # ~25 us a parameter (tests/unit/test_torch_internals.py checks the two agree).
         ctx.specs = [p._spec for p in params]
         # a view, as to_local hands one: the output is a new tensor autograd can own
         out = tuple(t.view_as(t) for t in (p.to_local() for p in params))
