@@ -28,7 +28,8 @@ What is measured, each after warm-up:
                         came out six times their time
     kernel_launch       on the CPU, a one-element add, as the emitted step runs one op of
                         its graph (``measure_step_ops``: an fx graph of adds run as its
-                        generated code): the fixed cost of an op, the one clock's; on
+                        generated code): the fixed cost of an op, the one clock's, and
+                        what a real step's node costs beyond it (host time, below); on
                         CUDA, where the host runs ahead of the device, the device's own
                         time per kernel: one-element adds queued behind long matmuls
                         (``measure_kernel_floor``)

@@ -245,10 +245,10 @@ out integral, that is the ILP's optimum, exactly, and the ILP is not solved; els
 ILP is solved, in what is left of the time limit. The search's relaxation is integral as a
 rule: Llama-3-8B's bf16 step over (8,8), 8011 integer variables, solved in 1.1 s against
 3.5 s as an ILP, with the same objective; with its four rounds so solved, the plan went
-from 34 s to 27-30 s. The overlap rounds ("Overlap") solve on two threads where they can: a round whose shares are known is solved on a copy of the
-ILP beside the simulation of the round before (``_SolveBeside``), with the same model and
-objective as in place, so the same plan. Ties in the objective are broken
-towards the earlier strategy: x[v,k] costs ``TIE_BREAK_US`` * k / K_v * n_v microseconds more
+from 34 s to 27-30 s. The overlap rounds ("Overlap") solve on two threads where they can:
+a round whose shares are known is solved on a copy of the ILP beside the simulation of
+the round before (``_SolveBeside``), with the same model and objective as in place, so the
+same plan. Ties in the objective are broken towards the earlier strategy: x[v,k] costs ``TIE_BREAK_US`` * k / K_v * n_v microseconds more
 (K_v strategies; n_v instances, so that the folded and the unfolded ILP prefer alike and
 pick the same plan). 1e-4 us per node stands above HiGHS's absolute gap (1e-6) and far below
 any cost that matters (at most ~2 us over the 18k nodes of a 96-layer GPT).
