@@ -137,6 +137,10 @@ def main() -> None:
                 break
     if rank == 0 and loss is not None:
         print(f"done: {step} steps, loss {loss.item():.6f}, perplexity {math.exp(loss.item()):.2f}")
+    # every rank past its last collective before the process group goes: on gloo, a worker
+    # thread still letting go of the last one (DCP's broadcast) could otherwise need the GIL
+    # after the interpreter has begun to shut down, which aborts the process
+    dist.barrier()
     dist.destroy_process_group()
 
 
