@@ -142,8 +142,12 @@ def _search(step: StepGraph, mesh: Mesh, options: PlanOptions, stats: dict | Non
             state["strategies"], state["solve"], fingerprint=step.fingerprint(), stats=stats
         )
         state["plan"] = plan
-        run_stages(REPORT_STAGES, state, plan.stats, skip=options.skip)
+        recorded = plan.stats
+        run_stages(REPORT_STAGES, state, recorded, skip=options.skip)
         plan, report = state["plan"], state["memory"]
+        if plan.stats is not recorded:  # a stage gave the plan stats of its own (prefetch's
+            # copy): what the stages after it recorded, their times too, go with the plan
+            plan.stats.update({k: v for k, v in recorded.items() if k not in plan.stats})
         if report is not None:
             plan.memory["step"] = report.to_dict()
         # the step as emitted, in the order it runs; the solver's objective beside it

@@ -144,6 +144,28 @@ def test_plan_step_on_a_traced_step_records_every_stage():
     assert plan.stats["strategies"] > n_nodes and plan.stats["variables"] > 0
 
 
+def test_the_plan_keeps_every_report_stage_statistics_when_prefetch_moves_a_reshard():
+    # passes/prefetch returns a plan with a stats dict of its own; what the stages after
+    # it record (the memory's peak, their times) must still reach the plan
+    cfg = GPTConfig(layers=2, hidden=128, heads=4, ffn=512, vocab=512, seq=64)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    tokens = torch.zeros(8, cfg.seq, dtype=torch.long, device="meta")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = autopar.plan(
+            model,
+            Mesh((2, 2), ("dp", "tp")),
+            (tokens,),
+            loss_fn=cross_entropy_loss,
+            example_targets=(tokens,),
+        )
+    assert plan.stats["prefetched"] >= 1  # the path under test: a reshard moved ahead
+    for stage in ("order", "buckets", "prefetch", "memory"):
+        assert f"{stage}_s" in plan.stats, stage
+    assert plan.stats["step_peak_bytes"] == plan.memory["step"]["peak_bytes"]
+
+
 def test_planning_pauses_the_garbage_collector_and_gives_it_back(monkeypatch):
     import gc
 
