@@ -44,9 +44,10 @@ def test_plan_json_reads_line_by_line():
         assert f"  {json.dumps(c)}" in lines
     for name, node in plan.params.items():
         assert f'  "{name}": "{node}"' in lines
-    # (besides: the outputs, and the parameter shapes among the statistics)
+    # (besides: the outputs, one line per statistic, the parameter shapes among them)
     assert plan.collectives
-    assert len(lines) < len(plan.nodes) + len(plan.collectives) + 4 * len(plan.params) + 60
+    n_stats = len(plan.to_dict()["stats"])
+    assert len(lines) < len(plan.nodes) + len(plan.collectives) + 4 * len(plan.params) + n_stats + 30
     assert json.loads(text) == plan.to_dict()
 
 
