@@ -33,6 +33,11 @@ to ``stats``. The pipeline of docs/architecture.md, as entries:
     codegen      trace, plan, dmesh                      CompiledStep  local_nodes,
                                                                        local_collectives
 
+Where the solver's overlap rounds judged the solution the plan is (``_emitted``, on
+CUDA), the four report stages take what the rounds made of it (the order, the bucketed
+and the prefetched plan, the memory report; ``state["assessed"]``) instead of making it
+again; the order stage still measures the traced order's peak.
+
 ``run_stages`` runs the stages in order. For each it records the wall time as
 ``stats["<name>_s"]`` and the stage's own statistics, and logs one line (logger
 ``autopar``). A stage named in ``skip`` does not run: its output is None and its statistics
@@ -274,28 +279,80 @@ def _hides(skip: Collection[str]) -> frozenset[str]:
     return frozenset(kinds)
 
 
+@dataclass(slots=True)
+class _Assessed:
+    """What the report stages made of one solution while the overlap rounds judged it
+    (``_emitted``): each stage's plan and what it added to the plan's statistics."""
+
+    ordering: Ordering | None = None
+    bucketed: Plan | None = None
+    bucket_stats: dict = field(default_factory=dict)
+    prefetched: Plan | None = None
+    prefetch_stats: dict = field(default_factory=dict)
+    report: MemoryReport | None = None
+
+
+def _solution_key(solution: Solution) -> tuple:
+    """What makes two solutions one plan to the report stages: the choice, the layers
+    checkpointed, and the objective (the overlap's shares priced in)."""
+    return (
+        tuple(solution.choice.items()),
+        tuple(r.group for r in solution.recompute),
+        solution.objective_s,
+        solution.comm_s,
+    )
+
+
+def _added(before: dict, after: dict) -> dict:
+    return {k: v for k, v in after.items() if k not in before or before[k] != v}
+
+
 def _emitted(state: dict) -> Callable[[Solution], float]:
     """The length of the step a solution emits, in seconds: its plan in the order, the
     buckets, the prefetches and the memory timeline the report stages give it (those not
     skipped), simulated (core/schedule). The solver's overlap rounds compare their plans
-    by it (passes/solve, "Overlap")."""
+    by it (passes/solve, "Overlap"). What each stage made is kept by solution
+    (``state["assessed"]``): the report stages take the kept round's instead of making it
+    again (each is linear in the step's nodes: ~1 s of a 96-layer plan)."""
     space, options = state["strategies"], state["options"]
+    assessed: dict[tuple, _Assessed] = state.setdefault("assessed", {})
 
     def length(solution: Solution) -> float:
+        made = _Assessed()
         plan = Plan.from_solution(space, solution, fingerprint="", stats=dict(solution.stats))
         if "order" not in options.skip:
-            ordering = order_step(space, state["trace"].gm, plan)
-            if ordering.changed:
-                plan = dataclasses.replace(plan, order=tuple(ordering.order))
+            made.ordering = order_step(space, state["trace"].gm, plan)
+            if made.ordering.changed:
+                plan = dataclasses.replace(plan, order=tuple(made.ordering.order))
         if "buckets" not in options.skip:
-            plan = bucket_reductions(space, plan, options.bucket_bytes)
+            before = dict(plan.stats)
+            plan = made.bucketed = bucket_reductions(space, plan, options.bucket_bytes)
+            made.bucket_stats = _added(before, plan.stats)
         if "prefetch" not in options.skip:
-            plan = prefetch_reshards(space, plan, options.optimizer)
+            before = dict(plan.stats)
+            plan = made.prefetched = prefetch_reshards(space, plan, options.optimizer)
+            made.prefetch_stats = _added(before, plan.stats)
         if "memory" not in options.skip:  # the points the step runs, copies included
-            plan.memory["step"] = simulate(space, plan, optimizer=options.optimizer).to_dict()
+            made.report = simulate(space, plan, optimizer=options.optimizer)
+            plan.memory["step"] = made.report.to_dict()
+        assessed[_solution_key(solution)] = made
         return plan.emitted_step_s()
 
     return length
+
+
+def _reused(state: dict) -> _Assessed | None:
+    """What the overlap rounds made of the solution the plan is (``_emitted``), if any."""
+    assessed = state.get("assessed")
+    if not assessed or state.get("solve") is None:
+        return None
+    return assessed.get(_solution_key(state["solve"]))
+
+
+def _as_made(plan: Plan, made: Plan, **fields) -> Plan:
+    """``made`` (a stage's plan of the same solution, during the rounds) as the stage
+    would have made it of ``plan``: with ``plan``'s fingerprint and memory."""
+    return dataclasses.replace(made, fingerprint=plan.fingerprint, memory=plan.memory, **fields)
 
 
 def _codegen(state: dict) -> CompiledStep:
@@ -313,7 +370,11 @@ def _codegen_stats(compiled: CompiledStep | None) -> dict:
 
 def _order(state: dict) -> Ordering:
     plan = state["plan"]
-    ordering = order_step(state["strategies"], state["trace"].gm, plan)
+    made = _reused(state)
+    if made is not None and made.ordering is not None:
+        ordering = made.ordering
+    else:
+        ordering = order_step(state["strategies"], state["trace"].gm, plan)
     if ordering.changed:  # the plan the later stages read, and the caller takes
         state["plan"] = dataclasses.replace(plan, order=tuple(ordering.order))
     # the traced order's peak as passes/memory measures it (optimizer state, the return)
@@ -334,7 +395,13 @@ def _order_stats(ordering: Ordering | None) -> dict:
 
 
 def _buckets(state: dict) -> int:
-    plan = bucket_reductions(state["strategies"], state["plan"], state["options"].bucket_bytes)
+    plan, made = state["plan"], _reused(state)
+    if made is not None and made.bucketed is not None and made.bucketed.order == plan.order:
+        # (bucket_reductions adds to the plan's own statistics)
+        plan = _as_made(plan, made.bucketed, stats=plan.stats)
+        plan.stats.update(made.bucket_stats)
+    else:
+        plan = bucket_reductions(state["strategies"], plan, state["options"].bucket_bytes)
     state["plan"] = plan
     return int(plan.stats.get("buckets", 0))
 
@@ -344,7 +411,17 @@ def _buckets_stats(buckets: int | None) -> dict:
 
 
 def _prefetch(state: dict) -> int:
-    plan = prefetch_reshards(state["strategies"], state["plan"], state["options"].optimizer)
+    plan, made = state["plan"], _reused(state)
+    if (
+        made is not None
+        and made.prefetched is not None
+        and made.bucketed is not None
+        and plan.collectives == made.bucketed.collectives
+    ):
+        if made.prefetched is not made.bucketed:  # (prefetch_reshards copies the statistics)
+            plan = _as_made(plan, made.prefetched, stats={**plan.stats, **made.prefetch_stats})
+    else:
+        plan = prefetch_reshards(state["strategies"], plan, state["options"].optimizer)
     state["plan"] = plan
     return int(plan.stats.get("prefetched", 0))
 
@@ -354,7 +431,11 @@ def _prefetch_stats(prefetched: int | None) -> dict:
 
 
 def _memory(state: dict) -> MemoryReport:
-    return simulate(state["strategies"], state["plan"], optimizer=state["options"].optimizer)
+    plan, made = state["plan"], _reused(state)
+    if made is not None and made.report is not None and made.prefetched is not None:
+        if plan.collectives == made.prefetched.collectives and plan.order == made.prefetched.order:
+            return made.report
+    return simulate(state["strategies"], plan, optimizer=state["options"].optimizer)
 
 
 def _memory_stats(report: MemoryReport | None) -> dict:

@@ -47,7 +47,9 @@ def test_plan_json_reads_line_by_line():
     # (besides: the outputs, one line per statistic, the parameter shapes among them)
     assert plan.collectives
     n_stats = len(plan.to_dict()["stats"])
-    assert len(lines) < len(plan.nodes) + len(plan.collectives) + 4 * len(plan.params) + n_stats + 30
+    assert (
+        len(lines) < len(plan.nodes) + len(plan.collectives) + 4 * len(plan.params) + n_stats + 30
+    )
     assert json.loads(text) == plan.to_dict()
 
 
@@ -148,23 +150,57 @@ def test_plan_step_on_a_traced_step_records_every_stage():
 def test_the_plan_keeps_every_report_stage_statistics_when_prefetch_moves_a_reshard():
     # passes/prefetch returns a plan with a stats dict of its own; what the stages after
     # it record (the memory's peak, their times) must still reach the plan
+    plan = _small_gpt_plan()
+    assert plan.stats["prefetched"] >= 1  # the path under test: a reshard moved ahead
+    for stage in ("order", "buckets", "prefetch", "memory"):
+        assert f"{stage}_s" in plan.stats, stage
+    assert plan.stats["step_peak_bytes"] == plan.memory["step"]["peak_bytes"]
+
+
+def _small_gpt_plan() -> autopar.Plan:
     cfg = GPTConfig(layers=2, hidden=128, heads=4, ffn=512, vocab=512, seq=64)
     with torch.device("meta"):
         model = GPT(cfg)
     tokens = torch.zeros(8, cfg.seq, dtype=torch.long, device="meta")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        plan = autopar.plan(
+        return autopar.plan(
             model,
             Mesh((2, 2), ("dp", "tp")),
             (tokens,),
             loss_fn=cross_entropy_loss,
             example_targets=(tokens,),
         )
-    assert plan.stats["prefetched"] >= 1  # the path under test: a reshard moved ahead
-    for stage in ("order", "buckets", "prefetch", "memory"):
-        assert f"{stage}_s" in plan.stats, stage
-    assert plan.stats["step_peak_bytes"] == plan.memory["step"]["peak_bytes"]
+
+
+def test_the_report_stages_take_the_kept_rounds_plan_and_it_is_the_plan_they_would_make(
+    monkeypatch,
+):
+    from autopar.passes import pipeline
+
+    calls = {"order_step": 0, "prefetch_reshards": 0}
+
+    def counted(name):
+        real = getattr(pipeline, name)
+
+        def run(*args, **kw):
+            calls[name] += 1
+            return real(*args, **kw)
+
+        return run
+
+    for name in calls:
+        monkeypatch.setattr(pipeline, name, counted(name))
+    reused = _small_gpt_plan()
+    assert reused.stats["overlap_rounds"]  # on h100 the rounds judge the emitted step
+    rounds = dict(calls)
+    assert rounds["order_step"] == rounds["prefetch_reshards"] >= 1
+    monkeypatch.setattr(pipeline, "_reused", lambda state: None)
+    made = _small_gpt_plan()
+    # made again by the report stages: one more call of each, and the same plan
+    assert calls == {k: 2 * v + 1 for k, v in rounds.items()}
+    assert reused.to_json() == made.to_json()
+    assert reused.stats["prefetched"] == made.stats["prefetched"] >= 1
 
 
 def test_planning_pauses_the_garbage_collector_and_gives_it_back(monkeypatch):
