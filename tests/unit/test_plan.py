@@ -11,11 +11,11 @@ from autopar.models import GPT, MLP, GPTConfig, cross_entropy_loss, mse_loss
 from autopar.passes.solve import SolveError
 
 
-def _gpt_plan(mesh, **kw):
-    cfg = GPTConfig(layers=1, hidden=32, heads=2, ffn=64, vocab=64, seq=8)
+def _gpt_plan(mesh, cfg=None, batch=4, **kw):
+    cfg = cfg or GPTConfig(layers=1, hidden=32, heads=2, ffn=64, vocab=64, seq=8)
     with torch.device("meta"):
         model = GPT(cfg)
-    tokens = torch.zeros(4, cfg.seq, dtype=torch.long, device="meta")
+    tokens = torch.zeros(batch, cfg.seq, dtype=torch.long, device="meta")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return autopar.plan(
@@ -158,19 +158,9 @@ def test_the_plan_keeps_every_report_stage_statistics_when_prefetch_moves_a_resh
 
 
 def _small_gpt_plan() -> autopar.Plan:
+    """A GPT on (2, 2) whose plan prefetches a reshard (h100: the overlap rounds run)."""
     cfg = GPTConfig(layers=2, hidden=128, heads=4, ffn=512, vocab=512, seq=64)
-    with torch.device("meta"):
-        model = GPT(cfg)
-    tokens = torch.zeros(8, cfg.seq, dtype=torch.long, device="meta")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return autopar.plan(
-            model,
-            Mesh((2, 2), ("dp", "tp")),
-            (tokens,),
-            loss_fn=cross_entropy_loss,
-            example_targets=(tokens,),
-        )
+    return _gpt_plan(Mesh((2, 2), ("dp", "tp")), cfg, batch=8)
 
 
 def test_the_report_stages_take_the_kept_rounds_plan_and_it_is_the_plan_they_would_make(
