@@ -349,12 +349,6 @@ def _reused(state: dict) -> _Assessed | None:
     return assessed.get(_solution_key(state["solve"]))
 
 
-def _as_made(plan: Plan, made: Plan, **fields) -> Plan:
-    """``made`` (a stage's plan of the same solution, during the rounds) as the stage
-    would have made it of ``plan``: with ``plan``'s fingerprint and memory."""
-    return dataclasses.replace(made, fingerprint=plan.fingerprint, memory=plan.memory, **fields)
-
-
 def _codegen(state: dict) -> CompiledStep:
     return codegen(state["trace"], state["plan"], state["dmesh"])
 
@@ -397,8 +391,10 @@ def _order_stats(ordering: Ordering | None) -> dict:
 def _buckets(state: dict) -> int:
     plan, made = state["plan"], _reused(state)
     if made is not None and made.bucketed is not None and made.bucketed.order == plan.order:
-        # (bucket_reductions adds to the plan's own statistics)
-        plan = _as_made(plan, made.bucketed, stats=plan.stats)
+        # what bucket_reductions changes: the collectives and their cost, and it adds to
+        # the plan's own statistics
+        b = made.bucketed
+        plan = dataclasses.replace(plan, collectives=b.collectives, cost=b.cost)
         plan.stats.update(made.bucket_stats)
     else:
         plan = bucket_reductions(state["strategies"], plan, state["options"].bucket_bytes)
@@ -418,8 +414,14 @@ def _prefetch(state: dict) -> int:
         and made.bucketed is not None
         and plan.collectives == made.bucketed.collectives
     ):
-        if made.prefetched is not made.bucketed:  # (prefetch_reshards copies the statistics)
-            plan = _as_made(plan, made.prefetched, stats={**plan.stats, **made.prefetch_stats})
+        if made.prefetched is not made.bucketed:  # what prefetch_reshards changes
+            p = made.prefetched
+            plan = dataclasses.replace(
+                plan,
+                collectives=p.collectives,
+                order=p.order,
+                stats={**plan.stats, **made.prefetch_stats},  # (a copy, as it makes)
+            )
     else:
         plan = prefetch_reshards(state["strategies"], plan, state["options"].optimizer)
     state["plan"] = plan
