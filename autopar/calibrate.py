@@ -44,7 +44,10 @@ What is measured, each after warm-up:
                         ``t = o + steps(kind, n) a + factor(kind, n) S / bw``, is fitted to
                         them by least squares over relative errors with o, a, 1/bw >= 0
                         (``fit_link``), giving ``collective_overhead``,
-                        ``intra_node_latency`` and ``intra_node_bandwidth``; then per kind
+                        ``intra_node_latency`` and ``intra_node_bandwidth`` (where the
+                        times do not grow with size, a busy machine's noise, measured
+                        again with messages ``LARGER`` times larger: ``measure_link``);
+                        then per kind
                         the geometric mean of measured over fitted (``kind_scales``,
                         ``collective_scale``: a library may run a kind by another algorithm);
                         with one rank (a one-GPU machine) there is no link to measure, and
@@ -716,6 +719,33 @@ def measure_collectives(
     ]
 
 
+LARGER = 16
+"""How many times larger the messages are when the first sizes' times do not grow with
+size (``measure_link``)."""
+
+
+def measure_link(
+    nproc: int,
+    sizes: Sequence[int],
+    reps: int,
+    *,
+    device_type: str = "cpu",
+    log: Callable[[str], None] = lambda _: None,
+) -> tuple[list[Sample], tuple[float, float, float]]:
+    """``measure_collectives`` and ``fit_link`` of it. Where the times do not grow with
+    size (on a busy machine a few MB's transfer can sit inside the noise of a collective's
+    fixed cost: a quick calibration beside a test run), measured once more with messages
+    ``LARGER`` times larger, and those samples are the ones fitted and returned."""
+    samples = measure_collectives(nproc, sizes, reps, device_type=device_type)
+    try:
+        return samples, fit_link(samples)
+    except ValueError as e:
+        larger = [s * LARGER for s in sizes]
+        log(f"{e}; measuring {larger[0]}..{larger[-1]} bytes")
+    samples = measure_collectives(nproc, larger, reps, device_type=device_type)
+    return samples, fit_link(samples)
+
+
 def _terms(kind: str, n: int, nbytes: float) -> tuple[float, float, float]:
     """Coefficients of (overhead, latency, seconds per byte) in the ring model."""
     steps = n - 1
@@ -882,8 +912,9 @@ def calibrate(
     scale = base_profile.collective_scale
     if nproc > 1:  # one rank has no link to measure (a one-GPU machine): the base's
         # collectives vary most from call to call (a peer and threads sharing the cores)
-        samples = measure_collectives(nproc, coll_sizes, 6 * reps, device_type=dev.type)
-        overhead, latency, link_bw = fit_link(samples)
+        samples, (overhead, latency, link_bw) = measure_link(
+            nproc, coll_sizes, 6 * reps, device_type=dev.type, log=log
+        )
         scale = kind_scales(samples, overhead, latency, link_bw)
         errors = link_errors(samples, overhead, latency, link_bw, scale)
         log(

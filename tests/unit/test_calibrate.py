@@ -98,6 +98,32 @@ def test_fit_refuses_times_that_do_not_grow_with_size():
         fit_link([(k, 2, float(b), 1e-3) for k in KINDS for b in (2**10, 2**20)])
 
 
+def test_a_link_whose_times_do_not_grow_is_measured_again_with_larger_messages(monkeypatch):
+    # a busy machine: the small messages' times sit in the noise of the fixed cost
+    from autopar import calibrate
+
+    link = (30e-6, 8e-6, 2e9)
+    asked = []
+
+    def measured(nproc, sizes, reps, *, device_type="cpu"):
+        asked.append(list(sizes))
+        if sizes[-1] <= 2**14:
+            return [(k, nproc, float(b), 1e-3) for k in KINDS for b in sizes]
+        return [s for s in _samples(*link, ranks=(nproc,)) if s[2] in sizes]
+
+    monkeypatch.setattr(calibrate, "measure_collectives", measured)
+    logged = []
+    samples, fit = calibrate.measure_link(2, [2**10, 2**14], 3, log=logged.append)
+    assert asked == [[2**10, 2**14], [2**14, 2**18]]  # LARGER (16) times larger, once
+    assert {s[2] for s in samples} == {2**14, 2**18}  # the larger ones fitted
+    assert "measuring 16384..262144 bytes" in logged[0]
+    assert fit == pytest.approx(link, rel=1e-6)
+    # where the first sizes' times grow, they are all that is measured
+    asked.clear()
+    assert calibrate.measure_link(2, [2**14, 2**18], 3)[1] == pytest.approx(link, rel=1e-6)
+    assert asked == [[2**14, 2**18]]
+
+
 def test_calibrate_writes_a_profile_that_plan_takes(tmp_path, capsys):
     path = tmp_path / "profile.json"
     rc = main(["calibrate", "--quick", "--name", "here", "-o", str(path), "--json"])
