@@ -47,9 +47,9 @@ What is measured, each after warm-up:
                         ``intra_node_latency`` and ``intra_node_bandwidth`` (where the
                         times do not grow with size, a busy machine's noise, measured
                         again with messages ``LARGER`` times larger: ``measure_link``);
-                        then per kind
-                        the geometric mean of measured over fitted (``kind_scales``,
-                        ``collective_scale``: a library may run a kind by another algorithm);
+                        then per kind the geometric mean of measured over fitted
+                        (``kind_scales``, ``collective_scale``: a library may run a kind by
+                        another algorithm);
                         with one rank (a one-GPU machine) there is no link to measure, and
                         the base profile's stays
     host time           a chain of views run as the step runs its graph (``view_launch``);
