@@ -15,17 +15,17 @@ What is measured, each after warm-up:
                         CUDA a batch of 16384 tokens too): points of
                         ``kernel_rates["attention"]`` / ``["attention_backward"]``
     mem_bandwidth       a clone of a large tensor: bytes read + written over its time; on
-                        CUDA, the elementwise kernels of a bf16 step at a layer's size
-                        instead (``measure_elementwise_bandwidth``: an add, a multiply by
-                        a broadcast row, a cast from float32), which reach about three
-                        fifths of a clone's
-    bandwidth_curve     on the CPU, float32 elementwise kernels (an add, a multiply by a
-                        broadcast row, a copy) on 4 KiB to 64 MiB tensors: bytes/s by the
-                        bytes one call moves (``measure_bandwidth_curve``). A small
-                        step's tensors stay in the caches: on a 2-core VM they ran at
+                        CUDA, the elementwise curve below at a layer's size instead
+                        (``ELEMENTWISE``), which reaches about three fifths of a clone's
+    bandwidth_curve     the elementwise kernels a step runs most, by the bytes one call
+                        moves (``measure_bandwidth_curve``): on the CPU float32 (an add, a
+                        multiply by a broadcast row, a copy) on 4 KiB to 64 MiB tensors. A
+                        small step's tensors stay in the caches: on a 2-core VM they ran at
                         ~150 GB/s at 256 KiB and ~4 GB/s at 64 MiB, where the clone above
                         gives ~4; priced at the clone's, a zoo step's adds and multiplies
-                        came out six times their time
+                        came out six times their time. On CUDA bf16 (an add, a multiply by
+                        a broadcast row, a cast from float32) on 8 KiB to 128 MiB: a small
+                        kernel does not fill the device
     kernel_launch       on the CPU, a one-element add, as the emitted step runs one op of
                         its graph (``measure_step_ops``: an fx graph of adds run as its
                         generated code): the fixed cost of an op, the one clock's, and
@@ -78,10 +78,14 @@ The kernel curves and the per-op and per-view costs are medians of calls timed i
 (each curve's points taken in turn, ``_spread_medians``) spread over a second or two: a
 VM's speed drifts by 20-30% over seconds, and a curve timed point after point came out
 shifted by it. The launch cost and the memory bandwidth are medians of calls timed one
-after another. A
-kernel's FLOP/s is its FLOPs over its time less the cost of calling it alone (the cost
-model adds ``kernel_launch`` back once), so small kernels are not charged it twice (on CUDA
-the call taken off is mostly the host's, which the model keeps on the host's clock).
+after another. A kernel's rate is its FLOPs (bytes) over its time less what the cost model
+adds back per op (``_rate``), so small kernels are not charged it twice. On the CPU that is
+the call's cost (``kernel_launch``, one clock). On CUDA the curves are timed on the
+device's clock (``_queued_times``: runs of calls queued behind long matmuls, the host
+ahead as in a step, between two CUDA events), less the device's own time per kernel
+(``measure_kernel_floor``); the host's call is on the host's clock (``host_op_costs``).
+Timed by the host instead, each call a synchronize, mid-size points came out host-bound (a
+2048 bf16 matmul at 110 TFLOP/s on an H200).
 Compute runs on as many threads as a rank of the local launcher uses (one on the CPU,
 runtime/launch), so a CPU profile prices what a gloo rank computes. What one machine
 cannot show comes from the base profile (``--base``) and the source says so: the
@@ -159,11 +163,15 @@ _PLANS = {
 
 _BANDWIDTH_SIZES = {
     "cpu": (2**10, 2**12, 2**14, 2**16, 2**18, 2**20, 2**22, 2**24),
+    "cuda": (2**12, 2**14, 2**16, 2**18, 2**20, 2**22, 2**24, 2**26),
     "quick": (2**10, 2**14, 2**18, 2**22),
 }
-"""Elements per tensor of the elementwise curve (``measure_bandwidth_curve``), float32: 4
-KiB to 64 MiB, from the caches to memory. CUDA has none yet (``mem_bandwidth`` is its
-elementwise kernels' rate at a layer's size)."""
+"""Elements per tensor of the elementwise curve (``measure_bandwidth_curve``): on the CPU
+float32, 4 KiB to 64 MiB, from the caches to memory; on CUDA bf16, 8 KiB to 128 MiB, from
+kernels too small to fill the device to memory."""
+ELEMENTWISE = 1 << 24
+"""Elements of a layer's activation (a batch of 8192 tokens of 2048): on CUDA
+``mem_bandwidth`` is the elementwise curve's rate there, the largest size at most this."""
 
 ATTENTION_TOKENS = 16384
 """Tokens of the filling batch the CUDA attention curve also times (``measure_attention``)."""
@@ -229,6 +237,77 @@ def _spread_medians(
     fns: Sequence[Callable[[], object]], device: torch.device, reps: int, seconds: float
 ) -> list[float]:
     return [statistics.median(ts) for ts in _spread_times(fns, device, reps, seconds)]
+
+
+def _kernel_times(
+    fns: Sequence[Callable[[], object]],
+    device: torch.device,
+    reps: int,
+    seconds: float,
+    runs: Sequence[int] | None = None,
+) -> list[float]:
+    """Seconds per call of each of ``fns``, a kernel's time as a step pays it: on CUDA on the
+    device's clock (``_queued_times``); on the CPU, where the host's call is the kernel's,
+    the median of calls timed in rounds (``_spread_medians``), each a run of ``runs[i]``
+    calls where given (a small kernel's run is long enough to time)."""
+    if device.type == "cuda":
+        return _queued_times(fns, device, reps, seconds)
+    runs = runs or [1] * len(fns)
+    repeated = [functools.partial(_repeat, fn, r) for fn, r in zip(fns, runs)]
+    return [t / r for t, r in zip(_spread_medians(repeated, device, reps, seconds), runs)]
+
+
+LEAD = 4096
+"""The side of the bf16 matmuls ``_queued_times`` queues ahead of each timed run (about
+0.2 ms each on an H100)."""
+QUEUED_S = 2e-3
+"""The device time ``_queued_times`` aims each timed run of calls at (at most 50 calls)."""
+
+
+def _event():
+    return torch.cuda.Event(enable_timing=True)
+
+
+def _queued_times(
+    fns: Sequence[Callable[[], object]], device: torch.device, reps: int, seconds: float
+) -> list[float]:
+    """CUDA: the device's seconds per call of each of ``fns`` as a step runs its kernels,
+    the host ahead: a run of calls (about ``QUEUED_S`` of device time, 1 to 50 calls)
+    queued behind enough ``LEAD`` matmuls that the host has queued the whole run before
+    they end, timed between two CUDA events and divided by its calls; the median over
+    rounds (each fn once a round) until ``reps`` rounds and ``seconds`` have passed.
+
+    The host's call is not in it: on a GPU the cost model keeps that on the host's clock
+    (core/schedule), and a curve timed by the host (each call then a synchronize) came out
+    host-bound at mid sizes: a 2048 bf16 matmul at 110 TFLOP/s, where the step's run at
+    several times that."""
+    x = torch.randn(LEAD, LEAD, device=device).to(torch.bfloat16)
+    lead_s = _median_time(lambda: torch.mm(x, x), device, 5)
+    plans = []
+    for fn in fns:
+        fn()  # warm-up (allocations, kernel selection)
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        host = time.perf_counter() - t0  # the call returns once queued
+        _sync(device)
+        alone = time.perf_counter() - t0
+        runs = max(1, min(50, math.ceil(QUEUED_S / alone)))
+        plans.append((runs, math.ceil(1.5 * runs * host / lead_s) + 1))
+    start, end = _event(), _event()
+    times: list[list[float]] = [[] for _ in fns]
+    began = time.perf_counter()
+    while len(times[0]) < reps or time.perf_counter() - began < seconds:
+        for fn, (runs, leads), out in zip(fns, plans, times):
+            for _ in range(leads):
+                torch.mm(x, x)
+            start.record()
+            for _ in range(runs):
+                fn()
+            end.record()
+            end.synchronize()
+            out.append(start.elapsed_time(end) * 1e-3 / runs)
+    return [statistics.median(t) for t in times]
 
 
 def measure_launch(device: torch.device, reps: int = 200) -> float:
@@ -506,66 +585,48 @@ def measure_kernel_floor(device: torch.device, reps: int = 10) -> float:
     return max(with_adds - alone, 0.0) / runs
 
 
-def measure_elementwise_bandwidth(device: torch.device, numel: int, reps: int) -> float:
-    """Bytes/s of the elementwise kernels a bf16 training step runs most, on ``numel``
-    elements (a ``[numel / 2048, 2048]`` activation): a contiguous add, a multiply by a
-    broadcast row (a norm's weight), a cast from float32 (mixed precision); the harmonic
-    mean of their rates, as a step pays each kernel's time."""
-    rows = max(numel // 2048, 1)
-    a = torch.randn(rows, 2048, device=device).to(torch.bfloat16)
-    b = torch.randn(rows, 2048, device=device).to(torch.bfloat16)
-    w = torch.randn(2048, device=device).to(torch.bfloat16)
-    wide = torch.randn(rows, 2048, device=device)
-    n, runs = rows * 2048, 20  # a run of calls: the host queues them as a step does
-
-    def run(fn):
-        def many():
-            for _ in range(runs):
-                fn()
-
-        return many
-
-    calls = [
-        (run(lambda: torch.add(a, b)), 3 * 2 * n),
-        (run(lambda: torch.mul(a, w)), 2 * 2 * n + 2 * 2048),
-        (run(lambda: wide.to(torch.bfloat16)), (4 + 2) * n),
-    ]
-    times = [_median_time(fn, device, reps) / runs for fn, _ in calls]
-    return len(calls) / sum(t / nbytes for (_, nbytes), t in zip(calls, times))
-
-
 def measure_bandwidth_curve(
     device: torch.device, sizes: Sequence[int], reps: int, launch: float, seconds: float = 0.0
 ) -> tuple[tuple[float, float], ...]:
-    """``((bytes one call moves, bytes/s), ...)`` of float32 elementwise kernels on tensors
-    of each of ``sizes`` elements (``[n / 256, 256]``): an add, a multiply by a broadcast row
-    (a norm's weight) and a copy, timed in rounds over at least ``seconds``
-    (``_spread_medians``), each as a run of calls; per size, the harmonic mean of their
-    rates, each its bytes over its time less ``launch`` (the cost model adds the op's call
-    back, as for a matmul: ``_rate``), at the mean bytes of the three calls
+    """``((bytes one call moves, bytes/s), ...)`` of the elementwise kernels a step runs
+    most, on tensors of each of ``sizes`` elements, timed in rounds over at least ``seconds``
+    (``_kernel_times``): on the CPU float32 (``[n / 256, 256]``) an add, a multiply by a
+    broadcast row (a norm's weight) and a copy; on CUDA those a bf16 mixed-precision step
+    runs (``[n / 2048, 2048]``): an add, a multiply by a broadcast row, a cast from float32.
+    Per size, the harmonic mean of their rates (a step pays each kernel's time), each its
+    bytes over its time less ``launch`` (the cost model adds the op's call back, as for a
+    matmul: ``_rate``), at the mean bytes of the three calls
     (``DeviceProfile.bandwidth_curve``)."""
+    cuda = device.type == "cuda"
+    width, dtype = (2048, torch.bfloat16) if cuda else (256, torch.float32)
     calls, moved = [], []
     for n in sizes:
-        rows = max(n // 256, 1)
-        a, b = torch.randn(rows, 256, device=device), torch.randn(rows, 256, device=device)
-        w = torch.randn(256, device=device)
-        runs = max(1, min(64, (1 << 20) // n))  # a run long enough to time
+        rows = max(n // width, 1)
+        a, b = (torch.randn(rows, width, device=device).to(dtype) for _ in range(2))
+        w = torch.randn(width, device=device).to(dtype)
+        third = (
+            (functools.partial(torch.randn(rows, width, device=device).to, dtype), 3 * a.nbytes)
+            if cuda  # float32 in (twice a's bytes), bf16 out
+            else (a.clone, 2 * a.nbytes)
+        )
         for fn, nbytes in (
             (functools.partial(torch.add, a, b), 3 * a.nbytes),
             (functools.partial(torch.mul, a, w), 2 * a.nbytes + w.nbytes),
-            (a.clone, 2 * a.nbytes),
+            third,
         ):
-            calls.append(functools.partial(_repeat, fn, runs))
-            moved.append((nbytes, runs))
-    times = _spread_medians(calls, device, reps, seconds)
+            calls.append(fn)
+            moved.append(nbytes)
+    times = _kernel_times(
+        calls,
+        device,
+        reps,
+        seconds,
+        [max(1, min(64, (1 << 20) // n)) for n in sizes for _ in range(3)],
+    )
     curve = []
     for i in range(0, len(calls), 3):
-        rates = [
-            nbytes / max(t / runs - launch, t / runs / 2)
-            for (nbytes, runs), t in zip(moved[i : i + 3], times[i : i + 3])
-        ]
-        mean_bytes = sum(nbytes for nbytes, _ in moved[i : i + 3]) / 3
-        curve.append((float(mean_bytes), len(rates) / sum(1 / r for r in rates)))
+        rates = [_rate(nbytes, t, launch) for nbytes, t in zip(moved[i : i + 3], times[i : i + 3])]
+        curve.append((sum(moved[i : i + 3]) / 3, len(rates) / sum(1 / r for r in rates)))
     return tuple(curve)
 
 
@@ -601,7 +662,7 @@ def measure_matmul(
         a = torch.randn(n, n, device=device).to(dtype)
         b = torch.randn(n, n, device=device).to(dtype)
         calls.append(functools.partial(torch.mm, a, b))
-    times = _spread_medians(calls, device, reps, seconds)
+    times = _kernel_times(calls, device, reps, seconds)
     return tuple((2.0 * n**3, _rate(2.0 * n**3, t, launch)) for n, t in zip(sizes, times))
 
 
@@ -633,8 +694,7 @@ def measure_attention(
         flops.append(attention_flops(shape, shape, shape, True, backward=False))
         flops.append(attention_flops(shape, shape, shape, True, backward=True))
     points = [
-        (f, _rate(f, t, launch))
-        for f, t in zip(flops, _spread_medians(calls, device, reps, seconds))
+        (f, _rate(f, t, launch)) for f, t in zip(flops, _kernel_times(calls, device, reps, seconds))
     ]
     return curve(points[0::2]), curve(points[1::2])
 
@@ -858,34 +918,34 @@ def calibrate(
             f"kernel launch {launch * 1e6:.2f} us, {step_op * 1e6:.2f} us per op of a step, "
             f"{view_op * 1e6:.2f} us per view"
         )
+        # a kernel's rate is its time less the time the cost model adds per op: on the CPU
+        # the call's (one clock); on CUDA the device's own time per kernel, on its clock
+        floor = launch if dev.type == "cpu" else measure_kernel_floor(dev)
         numel = (1 << 22 if quick else 1 << 25) if dev.type == "cpu" else 1 << 28
         bandwidth = measure_bandwidth(dev, numel, reps)
         log(f"memory bandwidth {bandwidth / 1e9:.1f} GB/s (a clone)")
-        if dev.type == "cuda":  # what the step's elementwise kernels reach
-            bandwidth = measure_elementwise_bandwidth(dev, 1 << 24, reps)
+        sizes_by = _BANDWIDTH_SIZES["quick" if quick else dev.type]
+        by_size = measure_bandwidth_curve(dev, sizes_by, reps, floor, spread)
+        log(
+            "elementwise "
+            + ("bf16" if dev.type == "cuda" else "float32")
+            + " by bytes moved: "
+            + ", ".join(f"{n / 2**10:,.0f} KiB {r / 1e9:.0f}" for n, r in by_size)
+            + " GB/s"
+        )
+        if dev.type == "cuda":  # what the step's elementwise kernels reach at a layer's size
+            bandwidth = by_size[max(i for i, n in enumerate(sizes_by) if n <= ELEMENTWISE)][1]
             log(f"memory bandwidth {bandwidth / 1e9:.1f} GB/s (elementwise, bf16)")
-        by_size: tuple[tuple[float, float], ...] = ()
-        if dev.type == "cpu":  # where the caches hold a small step's tensors
-            by_size = measure_bandwidth_curve(
-                dev, _BANDWIDTH_SIZES["quick" if quick else "cpu"], reps, launch, spread
-            )
-            log(
-                "elementwise float32 by bytes moved: "
-                + ", ".join(f"{n / 2**10:,.0f} KiB {r / 1e9:.0f}" for n, r in by_size)
-                + " GB/s"
-            )
         rates, peaks = [], []
         for dtype_name in _DTYPES:
             dtype = getattr(torch, dtype_name)
-            curve = measure_matmul(dev, dtype, sizes, reps, launch, spread)
+            curve = measure_matmul(dev, dtype, sizes, reps, floor, spread)
             rates.append(("matmul", dtype_name, curve))
             peaks.append((dtype_name, max(r for _, r in curve)))
             log(f"matmul {dtype_name}: " + ", ".join(f"{r / 1e9:.0f}" for _, r in curve) + " GF/s")
         attn_dtypes = ("float32",) if dev.type == "cpu" else ("bfloat16", "float16", "float32")
         for dtype_name in attn_dtypes:
-            fwd, bwd = measure_attention(
-                dev, getattr(torch, dtype_name), seqs, reps, launch, spread
-            )
+            fwd, bwd = measure_attention(dev, getattr(torch, dtype_name), seqs, reps, floor, spread)
             rates += [("attention", dtype_name, fwd), ("attention_backward", dtype_name, bwd)]
             log(
                 f"attention {dtype_name}: fwd {fwd[-1][1] / 1e9:.0f}, bwd {bwd[-1][1] / 1e9:.0f} GF/s"
@@ -895,7 +955,7 @@ def calibrate(
     host_ops: dict[str, float] = {}
     kernel_launch, host_launch = step_op, 0.0  # one clock (the CPU): the op's call in it
     if dev.type == "cuda":  # the host runs ahead of the device: two clocks (core/schedule)
-        kernel_launch, host_launch = measure_kernel_floor(dev), step_op
+        kernel_launch, host_launch = floor, step_op
         host_ops = measure_host_ops(step_op, view_op, reps, dev.type)
         log(
             f"device time per kernel {kernel_launch * 1e6:.2f} us; host per node of "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 
 import pytest
 import torch
@@ -122,6 +123,74 @@ def test_a_link_whose_times_do_not_grow_is_measured_again_with_larger_messages(m
     asked.clear()
     assert calibrate.measure_link(2, [2**14, 2**18], 3)[1] == pytest.approx(link, rel=1e-6)
     assert asked == [[2**14, 2**18]]
+
+
+class _Device:
+    """A stand-in GPU: a queue of kernels, each of known device seconds, on the host's
+    clock (``time.perf_counter``); a kernel starts when the one before it ends or when the
+    host queues it, whichever is later."""
+
+    def __init__(self):
+        self.done = 0.0  # when the last queued kernel ends
+
+    def queue(self, seconds):
+        self.done = max(self.done, time.perf_counter()) + seconds
+
+    def sync(self, _device=None):
+        while time.perf_counter() < self.done:
+            pass
+
+    def event(self):
+        gpu = self
+
+        class Event:
+            def record(self):  # reached once the kernels queued before it end
+                self.at = max(gpu.done, time.perf_counter())
+                gpu.done = self.at
+
+            def synchronize(self):
+                gpu.sync()
+
+            def elapsed_time(self, end):
+                return (end.at - self.at) * 1e3
+
+        return Event()
+
+
+def _busy(seconds):
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def test_a_curve_on_the_device_clock_leaves_out_the_hosts_call(monkeypatch):
+    # each call costs the host 60 us to queue; its kernel runs 20 us (or 300 us) on the
+    # device. Timed by the host (each call then a synchronize) the small one is 80 us;
+    # queued behind enough lead work, its runs take 20 us a call on the device's clock.
+    from autopar import calibrate
+
+    gpu = _Device()
+    monkeypatch.setattr(calibrate, "_sync", gpu.sync)
+    monkeypatch.setattr(calibrate, "_event", gpu.event)
+    monkeypatch.setattr(calibrate, "LEAD", 8)
+    monkeypatch.setattr(torch, "mm", lambda a, b: gpu.queue(0.5e-3))  # a lead: 0.5 ms
+
+    def call(device_s):
+        def fn():
+            _busy(60e-6)
+            gpu.queue(device_s)
+
+        return fn
+
+    small, large = calibrate._queued_times(
+        [call(20e-6), call(300e-6)], torch.device("cpu"), reps=5, seconds=0.0
+    )
+    assert small == pytest.approx(20e-6, rel=0.25)
+    assert large == pytest.approx(300e-6, rel=0.1)
+    # with no lead the host sets the pace: what the leads are there to prevent
+    monkeypatch.setattr(torch, "mm", lambda a, b: None)
+    (hostbound,) = calibrate._queued_times([call(20e-6)], torch.device("cpu"), 5, 0.0)
+    assert hostbound > 50e-6
 
 
 def test_calibrate_writes_a_profile_that_plan_takes(tmp_path, capsys):
