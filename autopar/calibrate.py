@@ -55,10 +55,13 @@ What is measured, each after warm-up:
     host time           a chain of views run as the step runs its graph (``view_launch``);
                         on CUDA, the host's clock apart from the device's (core/schedule):
                         the chain of adds' time per op (``host_launch``), and each op of a
-                        small GPT's training step (float32 and bf16 mixed precision) under
-                        torch's profiler, less an add's time under it, plus the chain's
-                        (``host_op_costs``, ``measure_host_ops``: a matmul's call costs
-                        about three adds', an attention's ten or more); then two chains of
+                        small GPT's and (with transformers) a small Llama's training steps
+                        (float32 and bf16 mixed precision) under torch's profiler, less an
+                        add's time under it (the chain's, in the same profile), plus the
+                        chain's (``host_op_costs``, ``measure_host_ops``: a matmul's call
+                        costs about two adds', an attention's twenty or more); the table
+                        moves by 10-20% from one measurement to the next on an H200's
+                        host; then two chains of
                         tiny layers compiled by autopar and timed as a training loop steps
                         them (on the CPU on N ranks side by side, the mean step, as
                         ``median_of_means``: ranks beside each other take each other's
@@ -94,6 +97,7 @@ inter-node link, the memory reserve, and ``all_reduce_algorithms``.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import datetime
 import functools
@@ -113,7 +117,7 @@ import torch.distributed as dist
 # boxed Python code (tests/unit/test_torch_internals.py)
 from torch._dynamo.backends.debugging import boxed_nop
 from torch.distributed.device_mesh import init_device_mesh
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from .api import compile as compile_step
 from .api import plan as plan_model
@@ -128,7 +132,7 @@ from .cost_models import (
     register_profile,
     runs_kernel,
 )
-from .models import GPT, GPTConfig, cross_entropy_loss, lm_batch
+from .models import GPT, GPTConfig, cross_entropy_loss, hf_llama, hf_logits_loss, lm_batch
 from .runtime.launch import run_local
 
 __all__ = ["Sample", "calibrate", "fit_link", "measure_collectives", "median_of_means"]
@@ -379,68 +383,110 @@ def _node_ops(pm) -> list[tuple[str, bool]]:
     ]
 
 
-def _profiled_ops(fns: Sequence[Callable[[], object]], names: set[str], device, reps: int):
-    """The host's seconds per call of each op in ``names`` (``aten::mm``) as ``fns`` run it,
-    under torch's profiler (CPU activity alone): the median of the calls that no other of
-    ``names`` made (an op that calls another counts once, with what it calls)."""
+def _profiled_ops(
+    fns: Sequence[Callable[[], object]], names: set[str], device, reps: int
+) -> list[dict[str, list[float]]]:
+    """The host's seconds of each call of each op in ``names`` (``aten::mm``) as each of
+    ``fns`` runs it, under torch's profiler (CPU activity alone), the calls that no other of
+    ``names`` made (an op that calls another counts once, with what it calls); per fn,
+    ``{name: [seconds, ...]}``. The fns run in turn, ``reps`` rounds in one profile, so
+    that they share its drift; each call of a fn is marked by a range (``record_function``),
+    and an op is that fn's when it starts inside the range, on whichever thread (CUDA's
+    backward runs on autograd's own)."""
+    marks = [f"autopar.calibrate.call{i}" for i in range(len(fns))]
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(reps):
-            for fn in fns:
-                fn()
+            for mark, fn in zip(marks, fns):
+                with record_function(mark):
+                    fn()
             _sync(device)
-    times: dict[str, list[float]] = {}
-    for e in prof.events():
+    index = {mark: i for i, mark in enumerate(marks)}
+    events = prof.events()
+    ranges = sorted(
+        (e.time_range.start, e.time_range.end, index[e.name]) for e in events if e.name in index
+    )
+    starts = [r[0] for r in ranges]
+    times: list[dict[str, list[float]]] = [{} for _ in fns]
+    for e in events:
         if e.name not in names:
             continue
         parent = e.cpu_parent
         while parent is not None and parent.name not in names:
             parent = parent.cpu_parent
-        if parent is None:
-            times.setdefault(e.name, []).append(e.time_range.elapsed_us() * 1e-6)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+        at = bisect.bisect_right(starts, e.time_range.start) - 1
+        if parent is None and at >= 0 and e.time_range.start <= ranges[at][1]:
+            times[ranges[at][2]].setdefault(e.name, []).append(e.time_range.elapsed_us() * 1e-6)
+    return times
+
+
+_Example = tuple[torch.nn.Module, tuple, Callable, tuple]
+
+
+def _host_ops_models(device: torch.device) -> list[_Example]:
+    """The steps whose ops ``_host_ops_rank`` times: a small GPT (autopar.models' ``gpt``,
+    fused attention) and, where transformers is installed, a small Hugging Face Llama (the
+    zoo's ``hf-llama``: RMSNorm, rotary embeddings, a gated MLP, whose multiplies, powers,
+    means and slices a GPT step does not run; priced at an add's call, a Llama step's host
+    time came out 17% short on an H200). ``(model, inputs, loss, targets)`` each."""
+    cfg = GPTConfig(sdpa=True)
+    tokens, targets = lm_batch(cfg.vocab, 8, cfg.seq, device=device)
+    torch.manual_seed(0)
+    with torch.device(device):
+        models: list[_Example] = [(GPT(cfg), (tokens,), cross_entropy_loss, (targets,))]
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return models
+    torch.manual_seed(0)
+    tokens, targets = lm_batch(128, 8, 32, device=device)  # the zoo's hf-llama
+    with torch.device(device):
+        llama = hf_llama(vocab=128, seq=32)
+    return models + [(llama, (tokens,), hf_logits_loss, (targets,))]
 
 
 def _host_ops_rank(
     rank: int, world: int, step_op: float, view_op: float, reps: int, device_type: str
 ) -> dict[str, float]:
-    """On one rank: the host's seconds per node of each op of a small GPT's training step
-    (autopar.models' ``gpt``, fused attention, float32 and bf16 mixed precision, compiled
-    by autopar), as the emitted step calls it. Each op's time under the profiler less an
-    add's (a view's, for an op that runs no kernel) under it too, plus ``step_op``
-    (``view_op``): the profiler's own cost per call, and the generated code's around the
-    op, are an add's (``measure_step_ops``); at least half of that."""
+    """On one rank: the host's seconds per node of each op of small training steps
+    (``_host_ops_models``, float32 and bf16 mixed precision, compiled by autopar), as the
+    emitted step calls it. Each op's time under the profiler less an add's (a view's, for
+    an op that runs no kernel) under it too, plus ``step_op`` (``view_op``): the
+    profiler's own cost per call, and the generated code's around the op, are an add's
+    (``measure_step_ops``); at least half of that."""
     device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
     mesh = init_device_mesh(device_type, (world,), mesh_dim_names=("dp",))
     fns: list[Callable[[], object]] = []
     kernel_ops: set[str] = set()
     view_ops: set[str] = set()
-    cfg = GPTConfig(sdpa=True)
-    tokens, targets = lm_batch(cfg.vocab, 8, cfg.seq, device=device)
-    for policy in (None, MixedPrecision(torch.bfloat16, torch.float32)):
-        torch.manual_seed(0)
-        with torch.device(device):
-            model = GPT(cfg)
-        pm = compile_step(
-            model, mesh, (tokens,), loss_fn=cross_entropy_loss, example_targets=(targets,),
-            mp_policy=policy, device="h100" if device_type == "cuda" else "cpu",
-        )  # fmt: skip
-        step = _training_step(pm, tokens, targets)
-        step()
-        fns.append(step)
-        for name, kernel in _node_ops(pm):
-            (kernel_ops if kernel else view_ops).add(name)
+    for model, inputs, loss_fn, targets in _host_ops_models(device):
+        for policy in (None, MixedPrecision(torch.bfloat16, torch.float32)):
+            pm = compile_step(
+                model, mesh, inputs, loss_fn=loss_fn, example_targets=targets,
+                mp_policy=policy, device="h100" if device_type == "cuda" else "cpu",
+            )  # fmt: skip
+            step = _training_step(pm, *inputs, *targets)
+            step()
+            fns.append(step)
+            for name, kernel in _node_ops(pm):
+                (kernel_ops if kernel else view_ops).add(name)
     add, view = "aten::add", "aten::view"
     chains = [_chain(device, False), _chain(device, True)]
     for fn in chains:
         fn()
-    measured = _profiled_ops(fns + chains, kernel_ops | view_ops | {add, view}, device, reps)
+    # the chains' adds and views apart from the steps' own, in one profile
+    *steps, add_chain, view_chain = _profiled_ops(
+        fns + chains, kernel_ops | view_ops | {add, view}, device, reps
+    )
+    bases = {add: statistics.median(add_chain[add]), view: statistics.median(view_chain[view])}
+    measured: dict[str, list[float]] = {}
+    for ops_of_step in steps:
+        for name, ts in ops_of_step.items():
+            measured.setdefault(name, []).extend(ts)
     out = {}
-    for name, t in measured.items():
-        if name in (add, view):
-            continue
+    for name, ts in measured.items():
         kernel = name in kernel_ops
-        base, own = (step_op, measured[add]) if kernel else (view_op, measured[view])
-        out[name] = max(base + t - own, base / 2)
+        base, own = (step_op, bases[add]) if kernel else (view_op, bases[view])
+        out[name] = max(base + statistics.median(ts) - own, base / 2)
     return dict(sorted(out.items()))
 
 
