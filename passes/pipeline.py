@@ -36,7 +36,8 @@ to ``stats``. The pipeline of docs/architecture.md, as entries:
 Where the solver's overlap rounds judged the solution the plan is (``_emitted``, on
 CUDA), the four report stages take what the rounds made of it (the order, the bucketed
 and the prefetched plan, the memory report; ``state["assessed"]``) instead of making it
-again; the order stage still measures the traced order's peak.
+again; the order stage still measures the traced order's peak. A round's memory report is
+the one prefetch's budget check measured of the same plan, where it measured one.
 
 ``run_stages`` runs the stages in order. For each it records the wall time as
 ``stats["<name>_s"]`` and the stage's own statistics, and logs one line (logger
@@ -67,7 +68,7 @@ from .memory import OPTIMIZERS, MemoryReport, simulate
 from .order import Ordering, order_step
 from .pins import Pin
 from .pins import resolve as resolve_pins
-from .prefetch import prefetch_reshards
+from .prefetch import prefetch_measured
 from .solve import DEVICE_BUDGET, overlaps_collectives, solve
 from .strategies import build_strategies
 from .trace import StepGraph, trace_step
@@ -328,12 +329,14 @@ def _emitted(state: dict) -> Callable[[Solution], float]:
             before = dict(plan.stats)
             plan = made.bucketed = bucket_reductions(space, plan, options.bucket_bytes)
             made.bucket_stats = _added(before, plan.stats)
+        measured = None  # the memory of the prefetched plan, where prefetch measured it
         if "prefetch" not in options.skip:
             before = dict(plan.stats)
-            plan = made.prefetched = prefetch_reshards(space, plan, options.optimizer)
+            plan, measured = prefetch_measured(space, plan, options.optimizer)
+            made.prefetched = plan
             made.prefetch_stats = _added(before, plan.stats)
         if "memory" not in options.skip:  # the points the step runs, copies included
-            made.report = simulate(space, plan, optimizer=options.optimizer)
+            made.report = measured or simulate(space, plan, optimizer=options.optimizer)
             plan.memory["step"] = made.report.to_dict()
         assessed[_solution_key(solution)] = made
         return plan.emitted_step_s()
@@ -414,7 +417,7 @@ def _prefetch(state: dict) -> int:
         and made.bucketed is not None
         and plan.collectives == made.bucketed.collectives
     ):
-        if made.prefetched is not made.bucketed:  # what prefetch_reshards changes
+        if made.prefetched is not made.bucketed:  # what prefetch changes
             p = made.prefetched
             plan = dataclasses.replace(
                 plan,
@@ -423,7 +426,7 @@ def _prefetch(state: dict) -> int:
                 stats={**plan.stats, **made.prefetch_stats},  # (a copy, as it makes)
             )
     else:
-        plan = prefetch_reshards(state["strategies"], plan, state["options"].optimizer)
+        plan, _ = prefetch_measured(state["strategies"], plan, state["options"].optimizer)
     state["plan"] = plan
     return int(plan.stats.get("prefetched", 0))
 

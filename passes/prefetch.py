@@ -44,6 +44,8 @@ consumer. Where the held outputs raise the step's peak above the plan's memory b
 (``stats["memory_budget"]``; the solver bounds the step without them), the reshards held at
 the peak are issued at their consumers instead, and the step is measured again, at most
 ``BUDGET_ROUNDS`` times; then, or where none is held at the peak, nothing is prefetched.
+``prefetch_measured`` returns the last measurement with the plan (the memory stage's
+report of it, which the overlap rounds take: passes/pipeline).
 
 ``plan.stats``: ``prefetched`` (reshards issued early), ``prefetch_moved`` (inputs moved
 ahead for them).
@@ -57,11 +59,11 @@ from collections import defaultdict
 from autopar.core import Plan, StrategySpace, roles
 from autopar.core.schedule import edge_ends, purpose
 
-from .memory import simulate
+from .memory import MemoryReport, simulate
 from .order import ready_nodes
 from .solve import overlaps_collectives
 
-__all__ = ["BUDGET_ROUNDS", "prefetch_reshards"]
+__all__ = ["BUDGET_ROUNDS", "prefetch_measured", "prefetch_reshards"]
 
 BUDGET_ROUNDS = 8
 """Times the step is measured with fewer prefetches held at its peak, until it fits the
@@ -153,8 +155,17 @@ def _moved_ahead(space: StrategySpace, plan: Plan, order: list[str]) -> tuple[li
 
 def prefetch_reshards(space: StrategySpace, plan: Plan, optimizer: str = "adamw") -> Plan:
     """``plan`` with its reshards issued ahead of their consumers (module docstring)."""
+    return prefetch_measured(space, plan, optimizer)[0]
+
+
+def prefetch_measured(
+    space: StrategySpace, plan: Plan, optimizer: str = "adamw"
+) -> tuple[Plan, MemoryReport | None]:
+    """``prefetch_reshards``, and the step memory of the plan it returns where the budget
+    check measured it (passes/memory ``simulate``; else None): the memory stage's report of
+    that plan, which the overlap rounds take rather than measure again (passes/pipeline)."""
     if not overlaps_collectives(plan.mesh):
-        return plan
+        return plan, None
     given = list(plan.order) if plan.order else list(space.order)
     order, moved = _moved_ahead(space, plan, given)
     position = {n: i for i, n in enumerate(order)}
@@ -177,7 +188,7 @@ def prefetch_reshards(space: StrategySpace, plan: Plan, optimizer: str = "adamw"
     consumer = {id(c): edge_ends(c["edge"])[1] for c in plan.collectives}
     for _ in range(BUDGET_ROUNDS):
         if not early:
-            return plan
+            return plan, None
         collectives = tuple(
             {**c, "issue_after": early[id(c)]} if id(c) in early else c for c in plan.collectives
         )
@@ -185,6 +196,7 @@ def prefetch_reshards(space: StrategySpace, plan: Plan, optimizer: str = "adamw"
             plan, collectives=collectives, order=tuple(order) if moved else plan.order,
             stats=dict(plan.stats),
         )  # fmt: skip
+        report = None
         if budget is None:
             break
         report = simulate(space, out, optimizer)
@@ -195,11 +207,11 @@ def prefetch_reshards(space: StrategySpace, plan: Plan, optimizer: str = "adamw"
         peak = report.peak_index
         held = [k for k, after in early.items() if point[after] < peak <= point[consumer[k]]]
         if not held:
-            return plan
+            return plan, None
         for k in held:
             del early[k]
     else:
-        return plan
+        return plan, None
     out.stats["prefetched"] = len(early)
     out.stats["prefetch_moved"] = moved
-    return out
+    return out, report

@@ -168,14 +168,18 @@ def test_the_report_stages_take_the_kept_rounds_plan_and_it_is_the_plan_they_wou
 ):
     from autopar.passes import pipeline
 
-    calls = {"order_step": 0, "prefetch_reshards": 0}
+    calls = {"order_step": 0, "prefetch_measured": 0, "simulate": 0}
+    unmeasured = []  # prefetches that did not measure the plan they returned
 
     def counted(name):
         real = getattr(pipeline, name)
 
         def run(*args, **kw):
             calls[name] += 1
-            return real(*args, **kw)
+            out = real(*args, **kw)
+            if name == "prefetch_measured" and out[1] is None:
+                unmeasured.append(out[0])
+            return out
 
         return run
 
@@ -184,11 +188,18 @@ def test_the_report_stages_take_the_kept_rounds_plan_and_it_is_the_plan_they_wou
     reused = _small_gpt_plan()
     assert reused.stats["overlap_rounds"]  # on h100 the rounds judge the emitted step
     rounds = dict(calls)
-    assert rounds["order_step"] == rounds["prefetch_reshards"] >= 1
+    assert rounds["order_step"] == rounds["prefetch_measured"] >= 1
+    # a round's memory is the one prefetch measured (its budget check) where it did: the
+    # pipeline simulates the others, and the traced order (the order stage)
+    assert rounds["simulate"] == len(unmeasured) + 1 < rounds["prefetch_measured"] + 1
     monkeypatch.setattr(pipeline, "_reused", lambda state: None)
     made = _small_gpt_plan()
     # made again by the report stages: one more call of each, and the same plan
-    assert calls == {k: 2 * v + 1 for k, v in rounds.items()}
+    assert {k: calls[k] - rounds[k] for k in calls} == {
+        "order_step": rounds["order_step"] + 1,
+        "prefetch_measured": rounds["prefetch_measured"] + 1,
+        "simulate": rounds["simulate"] + 1,  # the rounds', the traced order's, the stage's
+    }
     assert reused.to_json() == made.to_json()
     assert reused.stats["prefetched"] == made.stats["prefetched"] >= 1
 
