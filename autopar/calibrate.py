@@ -28,8 +28,7 @@ What is measured, each after warm-up:
                         kernel does not fill the device
     kernel_launch       on the CPU, a one-element add, as the emitted step runs one op of
                         its graph (``measure_step_ops``: an fx graph of adds run as its
-                        generated code): the fixed cost of an op, the one clock's, and
-                        what a real step's node costs beyond it (host time, below); on
+                        generated code): the fixed cost of an op, the one clock's; on
                         CUDA, where the host runs ahead of the device, the device's own
                         time per kernel: one-element adds queued behind long matmuls
                         (``measure_kernel_floor``)
@@ -70,12 +69,14 @@ What is measured, each after warm-up:
                         (``measure_runtime``, ``step_overhead``, ``param_overhead``);
                         on the CPU a small GPT's step (every rank the whole of it) beside
                         them, less its plan's compute as the profile so far prices it and
-                        less the chains' line: what is left, per node (~7.5 us on a 2-core
-                        VM, where the chain's add is ~3.4 us), goes on ``kernel_launch``
-                        and ``view_launch``. A real step's op costs more than a
-                        one-element add in a loop, and its graphs save and hand over far
-                        more tensors; without it a zoo step's compute came out at half its
-                        time once its elementwise kernels were priced by size
+                        less the chains' line: what is left, over the roofline part of
+                        that compute, plus 1, is ``roofline_scale`` (~2-3 on a 2-core VM).
+                        A real step's kernels run slower than the same kernels timed alone
+                        in a loop: their tensors come cold from memory, freshly allocated;
+                        without it a zoo step's compute came out at half its time once its
+                        elementwise kernels were priced by size. (Put per node instead, on
+                        ``kernel_launch``, it priced a zoo MLP's step of tiny kernels at
+                        1.4-1.5 times its time)
 
 The kernel curves and the per-op and per-view costs are medians of calls timed in rounds
 (each curve's points taken in turn, ``_spread_medians``) spread over a second or two: a
@@ -511,13 +512,14 @@ def _runtime_rank(
     """On one rank: a chain of ``depth`` tiny linear layers compiled by autopar on this
     rank's mesh (kernels of a few elements, each replicated: no collective), each step timed
     as a training loop runs it (forward, backward, gradients dropped), the depths in rounds
-    over at least ``seconds``; per depth ``(parameters, nodes, seconds, 0)``, the nodes those
+    over at least ``seconds``; per depth ``(parameters, nodes, seconds, 0, 0)``, the nodes those
     of the compiled graphs (``_node_ops``), the seconds the mean step (``median_of_means``:
     as the ranks run beside each other their threads take each other's cores now and then,
     a scheduler tick, which a loop's time per step holds at the rate it comes). With
     ``priced`` (the profile being calibrated, so far), a small GPT too (fused attention,
-    every rank running the whole step), its row's last entry the compute its plan prices with
-    ``priced`` (the nodes' roofline times and calls)."""
+    every rank running the whole step), its row's last entries the compute its plan prices
+    with ``priced`` (the nodes' roofline times and calls) and the roofline part of it
+    (``_roofline_s``)."""
     device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
     mesh = init_device_mesh(device_type, (world,), mesh_dim_names=("dp",))
     steps, counts = [], []
@@ -535,7 +537,7 @@ def _runtime_rank(
                 "its time would not be the host's alone"
             )
         steps.append(step)
-        counts.append((len(list(pm.parameters())), _node_ops(pm), 0.0))
+        counts.append((len(list(pm.parameters())), _node_ops(pm), 0.0, 0.0))
     if priced is not None:
         register_profile(priced)
         cfg = GPTConfig(sdpa=True)
@@ -552,10 +554,25 @@ def _runtime_rank(
         if pm.plan.collectives:
             raise RuntimeError("the runtime's GPT was planned with collectives")
         steps.append(_training_step(pm, tokens, targets))
-        counts.append((len(list(pm.parameters())), _node_ops(pm), pm.plan.cost["compute_s"]))
+        compute = pm.plan.cost["compute_s"]
+        counts.append((len(list(pm.parameters())), _node_ops(pm), compute, _roofline_s(pm.plan)))
     dist.barrier()  # every rank compiled: they step side by side
     times = _spread_times(steps, device, reps, seconds)
-    return [(p, n, median_of_means(t), c) for (p, n, c), t in zip(counts, times)]
+    return [(p, n, median_of_means(t), c, r) for (p, n, c, r), t in zip(counts, times)]
+
+
+def _roofline_s(plan) -> float:
+    """The seconds of ``plan``'s nodes beyond their calls: each node's ``cost_s`` less the
+    call its op pays (``kernel_launch`` for a kernel, ``view_launch`` for a view)."""
+    profile = get_profile(plan.mesh.device)
+    total = 0.0
+    for node in plan.nodes.values():
+        if node.cost_s <= 0 or node.op in ("placeholder", "output"):
+            continue
+        op = functools.reduce(getattr, node.op.split("."), torch.ops)
+        call = profile.kernel_launch if runs_kernel(op) else profile.view_launch
+        total += max(node.cost_s - call, 0.0)
+    return total
 
 
 def measure_runtime(
@@ -568,18 +585,21 @@ def measure_runtime(
     host_ops: dict[str, float] | None = None,
     priced: DeviceProfile | None = None,
 ) -> tuple[float, float, float]:
-    """``(step_overhead, param_overhead, node_overhead)``: a step's host time outside its
-    graph's nodes, fixed and per parameter, and per node beyond what the profile prices.
-    Two chains of tiny layers are compiled and timed (``_runtime_rank``, on ``nproc`` ranks
-    of the local launcher stepping side by side, the slowest rank's); their nodes priced at
-    ``host_ops``' time of their op, else ``step_op`` (``view_op`` for a view), are taken
-    off, and the line through the two rests by parameter count gives the first two terms
-    (each at least 0), and 0 for the third.
+    """``(step_overhead, param_overhead, roofline_scale)``: a step's host time outside its
+    graph's nodes, fixed and per parameter, and how much slower its kernels run than the
+    profile's curves say. Two chains of tiny layers are compiled and timed
+    (``_runtime_rank``, on ``nproc`` ranks of the local launcher stepping side by side, the
+    slowest rank's); their nodes priced at ``host_ops``' time of their op, else ``step_op``
+    (``view_op`` for a view), are taken off, and the line through the two rests by
+    parameter count gives the first two terms (each at least 0), and 1 for the third.
 
     With ``priced`` (the CPU's profile so far), a small GPT's step is timed beside them,
-    less the compute ``priced`` gives its plan and the line's two terms: what is left, per
-    node of its graphs, is the third term. A real step's op costs more than the chain's
-    one-element add, and its graphs save and hand over far more tensors."""
+    less the compute ``priced`` gives its plan and the line's two terms: what is left, over
+    the roofline part of that compute (``_roofline_s``), is the third term less 1. A real
+    step's kernels run slower than the curves' (their tensors cold, freshly allocated); the
+    chains' kernels, of a few elements, are their calls alone. (Taken per node instead, as
+    it was, the GPT's rest priced a zoo MLP's step of tiny kernels at 1.4-1.5 times its
+    time.)"""
     backend = "nccl" if device_type == "cuda" else "gloo"
     per_rank = run_local(
         _runtime_rank, nproc, (1, 8), reps, seconds, device_type, priced, backend=backend
@@ -599,15 +619,15 @@ def runtime_terms(
             return t - compute
         return t - sum(host_ops.get(n, step_op if k else view_op) for n, k in nodes)
 
-    rests = [rest(n, t, c) for _, n, t, c in rows]
-    (p1, _, _, _), (p2, _, _, _) = rows[:2]
+    rests = [rest(n, t, c) for _, n, t, c, _ in rows]
+    p1, p2 = rows[0][0], rows[1][0]
     r1, r2 = rests[:2]
     per_param = max((r2 - r1) / (p2 - p1), 0.0)
-    line = (max(r1 - per_param * p1, 0.0), per_param, 0.0)
+    line = (max(r1 - per_param * p1, 0.0), per_param, 1.0)
     if len(rows) < 3:
         return line
-    (p3, n3, _, _), r3 = rows[2], rests[2]
-    return line[0], line[1], max((r3 - line[0] - line[1] * p3) / len(n3), 0.0)
+    p3, roof, r3 = rows[2][0], rows[2][4], rests[2]
+    return line[0], line[1], 1.0 + max((r3 - line[0] - line[1] * p3) / roof, 0.0)
 
 
 def measure_kernel_floor(device: torch.device, reps: int = 10) -> float:
@@ -1051,7 +1071,7 @@ def calibrate(
         collective_overhead=overhead,
         collective_scale=scale,
     )
-    step_overhead, param_overhead, node_overhead = measure_runtime(
+    step_overhead, param_overhead, roofline_scale = measure_runtime(
         step_op,
         view_op,
         10 * reps,
@@ -1063,14 +1083,13 @@ def calibrate(
     )
     log(
         f"runtime per step {step_overhead * 1e6:.0f} us and {param_overhead * 1e6:.1f} us "
-        f"per parameter; {node_overhead * 1e6:.2f} us more per node of a step"
+        f"per parameter; a step's kernels at {roofline_scale:.2f} times the curves' time"
     )
     what = torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor()
     when = datetime.date.today().isoformat()
     profile = dataclasses.replace(
         priced,
-        kernel_launch=kernel_launch + node_overhead,
-        view_launch=view_op + node_overhead,
+        roofline_scale=roofline_scale,
         step_overhead=step_overhead,
         param_overhead=param_overhead,
         ranks_per_node=(
@@ -1082,7 +1101,7 @@ def calibrate(
             f"memory bandwidth{' (and by size)' if by_size else ''}, kernel launch, the "
             f"host time of views and of the runtime per step"
             f"{', and per op (the host runs ahead of the device)' if host_ops else ''}"
-            f"{', and per node of a step' if node_overhead else ''} "
+            f"{', and the step kernels against the curves' if roofline_scale != 1 else ''} "
             + (
                 f"and the intra-node link ({'NCCL' if dev.type == 'cuda' else 'gloo'}, "
                 f"{nproc} ranks) measured; the inter-node link"
@@ -1098,7 +1117,7 @@ def calibrate(
         "threads": 1 if dev.type == "cpu" else None,
         "step_op": step_op,
         "view_op": view_op,
-        "node_overhead": node_overhead,
+        "roofline_scale": roofline_scale,
         "collectives": [
             {"kind": k, "ranks": n, "bytes": b, "seconds": t, "fit_error": e}
             for (k, n, b, t), e in zip(samples, errors)

@@ -8,7 +8,7 @@ means "a tensor of this shape". Returns seconds.
 
 The model, for an op that runs a kernel::
 
-    t(op) = max(F / P(kind, dtype, F), B / W) + L
+    t(op) = S max(F / P(kind, dtype, F), B / W) + L
 
     F  FLOPs of the op                                  ``op_flops``
     P  sustained FLOP/s of this kind of kernel at this size in this dtype
@@ -19,6 +19,8 @@ The model, for an op that runs a kernel::
     W  device memory bandwidth at B bytes               ``DeviceProfile.bandwidth(B)``
        (``mem_bandwidth``, or its curve by size where the profile has one: a CPU's caches)
     L  fixed per-op overhead                            ``DeviceProfile.kernel_launch``
+    S  the step's kernels against the curves timed alone  ``DeviceProfile.roofline_scale``
+       (1, but on the CPU, where a step's tensors come cold from memory: ~2-3)
 
 ``compute_time`` puts the terms together. F comes from ``torch.utils.flop_counter``'s
 formulas (mm, addmm, bmm, baddbmm, convolution, scaled-dot-product attention and their
@@ -296,7 +298,7 @@ def compute_time(
     kind = kernel_kind(op)
     rate = profile.flops_for(dtype) if kind is None else profile.kernel_rate(kind, dtype, flops)
     roof = max(flops / rate, nbytes / profile.bandwidth(nbytes))
-    return roof + profile.kernel_launch
+    return roof * profile.roofline_scale + profile.kernel_launch
 
 
 def profiler_name(op: Any) -> str:

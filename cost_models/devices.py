@@ -166,6 +166,14 @@ class DeviceProfile:
     GB/s at 256 KiB and ~4 GB/s at 64 MiB (``autopar calibrate``). Without one, every size
     runs at ``mem_bandwidth``."""
 
+    roofline_scale: float = 1.0
+    """Each kernel's roofline time (``compute.compute_time``: FLOPs at the curve's rate, or
+    bytes at the memory roof) times this. On the CPU a step's kernels run slower than the
+    same kernels timed alone in a loop (the curves): their tensors come cold from memory
+    and are freshly allocated; ``autopar calibrate`` measures the ratio on a small GPT's
+    step (~2-3 on a 2-core VM). 1 where the curves are the step's (a GPU's, timed on its
+    clock)."""
+
     overlaps_collectives: bool = True
     """Whether the emitted step can run a collective while kernels run (CUDA: NCCL on its
     own stream). passes/codegen overlaps a ring attention's shifts with its blocks only
@@ -190,6 +198,7 @@ class DeviceProfile:
             "intra_node_bandwidth": self.intra_node_bandwidth,
             "inter_node_bandwidth": self.inter_node_bandwidth,
         }
+        positive["roofline_scale"] = self.roofline_scale
         for field, value in positive.items():
             if not value > 0:
                 raise ValueError(f"profile {self.name!r}: {field} must be > 0, got {value}")

@@ -221,11 +221,10 @@ def test_calibrate_writes_a_profile_that_plan_takes(tmp_path, capsys):
     sizes = [n for n, _ in profile.bandwidth_curve]
     assert len(sizes) == 4 and sizes == sorted(sizes)
     assert max(r for _, r in profile.bandwidth_curve) > profile.bandwidth_curve[-1][1]
-    # each node of a step: the chain's op, and what a real step's node costs beyond it
+    # each node of a step: the chain's op; a step's kernels at their scale over the curves
     m = out["measured"]
-    assert m["node_overhead"] >= 0
-    assert profile.kernel_launch == pytest.approx(m["step_op"] + m["node_overhead"], rel=1e-9)
-    assert profile.view_launch == pytest.approx(m["view_op"] + m["node_overhead"], rel=1e-9)
+    assert profile.kernel_launch == m["step_op"] and profile.view_launch == m["view_op"]
+    assert profile.roofline_scale == m["roofline_scale"] >= 1
 
     rc = main(["plan", "mlp", "--mesh", "2", "--profile", str(path), "--no-cache", "--json"])
     assert rc == 0
@@ -339,29 +338,29 @@ def test_a_profile_with_a_host_clock_prices_the_host_apart_from_the_device():
     assert "the host, apart" not in device.summary()
 
 
-def test_the_runtime_per_step_parameter_and_node_come_apart():
+def test_the_runtime_per_step_parameter_and_the_step_kernels_scale_come_apart():
     from autopar.calibrate import runtime_terms
 
-    step, param, node, add, view = 300e-6, 20e-6, 7e-6, 3e-6, 2e-6
+    step, param, scale, add, view = 300e-6, 20e-6, 2.5, 3e-6, 2e-6
     chain = lambda p, kernels, views: (  # noqa: E731
         p,
         [("aten::addmm", True)] * kernels + [("aten::t", False)] * views,
-        step + param * p + (add + node) * kernels + (view + node) * views,
+        step + param * p + add * kernels + view * views,
+        0.0,
         0.0,
     )
     rows = [chain(2, 9, 5), chain(16, 37, 47)]
-    # the chains alone: their nodes grow with their parameters, so the line puts the
-    # nodes' own extra cost in the time per parameter
-    s, p, n = runtime_terms(rows, add, view, {})
-    assert n == 0 and p > param
-    # a GPT of many nodes per parameter, timed less the compute its profile prices (each
-    # node's call at the chain's op): what its step holds beyond the chains' line, per node
+    # the chains alone: a step's time outside its nodes, fixed and per parameter; their
+    # kernels of a few elements are their calls alone, so the kernels' scale is 1
+    s, p, k = runtime_terms(rows, add, view, {})
+    assert (s, p, k) == (pytest.approx(step), pytest.approx(param), 1.0)
+    # a GPT whose kernels run 2.5 times their roofline as priced: its compute priced (the
+    # nodes' calls and 2 ms of roofline), timed at its scaled roofline, calls and line
     nodes = [("aten::mm", True)] * 200 + [("aten::view", False)] * 69
-    compute = 2e-3 + 200 * add + 69 * view
-    gpt = (37, nodes, compute + step + param * 37 + 3 * node * 269, compute)
-    s2, p2, n2 = runtime_terms([*rows, gpt], add, view, {})
-    assert (s2, p2) == (s, p) and n2 > 0
-    assert s2 + p2 * 37 + n2 * 269 == pytest.approx(gpt[2] - compute, rel=1e-9)
-    # a step that costs less than the line: no negative term
-    cheap = (37, nodes, compute, compute)
-    assert runtime_terms([*rows, cheap], add, view, {})[2] == 0
+    calls, roof = 200 * add + 69 * view, 2e-3
+    gpt = (37, nodes, step + param * 37 + calls + scale * roof, calls + roof, roof)
+    s2, p2, k2 = runtime_terms([*rows, gpt], add, view, {})
+    assert (s2, p2) == (s, p) and k2 == pytest.approx(scale)
+    # a step that costs less than its priced compute and the line: the curves', not less
+    cheap = (37, nodes, calls + roof, calls + roof, roof)
+    assert runtime_terms([*rows, cheap], add, view, {})[2] == 1.0

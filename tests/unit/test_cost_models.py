@@ -94,6 +94,23 @@ def test_a_bandwidth_curve_prices_memory_bound_ops_by_their_size():
             dataclasses.replace(H100, bandwidth_curve=bad)
 
 
+def test_a_step_kernels_scale_multiplies_the_roofline_not_the_call():
+    # a CPU step's kernels run slower than the curves timed alone (roofline_scale); the
+    # op's call (kernel_launch) and a view's (view_launch) are the step's calls, unscaled
+    cpu = PROFILES["cpu"]
+    slow = dataclasses.replace(cpu, roofline_scale=2.5)
+    f32 = torch.float32
+    mm = (aten.mm.default, (S([256, 256]), S([256, 256])), {}, S([256, 256]), f32)
+    view = (aten.view.default, (S([256, 256]), [65536]), {}, S([65536]), f32)
+    roof = compute_time(cpu, *mm) - cpu.kernel_launch
+    assert roof > 0
+    assert compute_time(slow, *mm) == pytest.approx(2.5 * roof + cpu.kernel_launch)
+    assert compute_time(slow, *view) == compute_time(cpu, *view) == cpu.view_launch
+    assert DeviceProfile.from_dict(json.loads(slow.to_json())).roofline_scale == 2.5
+    with pytest.raises(ValueError, match="roofline_scale"):
+        dataclasses.replace(cpu, roofline_scale=0.0)
+
+
 def test_small_gemms_run_below_large_ones_on_h100():
     def rate(n):
         args = (S([n, n]), S([n, n]))
