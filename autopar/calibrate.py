@@ -459,8 +459,8 @@ def _host_ops_rank(
     fns: list[Callable[[], object]] = []
     kernel_ops: set[str] = set()
     view_ops: set[str] = set()
-    for model, inputs, loss_fn, targets in _host_ops_models(device):
-        for policy in (None, MixedPrecision(torch.bfloat16, torch.float32)):
+    for policy in (None, MixedPrecision(torch.bfloat16, torch.float32)):
+        for model, inputs, loss_fn, targets in _host_ops_models(device):  # fresh per policy
             pm = compile_step(
                 model, mesh, inputs, loss_fn=loss_fn, example_targets=targets,
                 mp_policy=policy, device="h100" if device_type == "cuda" else "cpu",

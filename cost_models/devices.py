@@ -197,8 +197,8 @@ class DeviceProfile:
             "ranks_per_node": self.ranks_per_node,
             "intra_node_bandwidth": self.intra_node_bandwidth,
             "inter_node_bandwidth": self.inter_node_bandwidth,
+            "roofline_scale": self.roofline_scale,
         }
-        positive["roofline_scale"] = self.roofline_scale
         for field, value in positive.items():
             if not value > 0:
                 raise ValueError(f"profile {self.name!r}: {field} must be > 0, got {value}")

@@ -336,7 +336,11 @@ def _emitted(state: dict) -> Callable[[Solution], float]:
             made.prefetched = plan
             made.prefetch_stats = _added(before, plan.stats)
         if "memory" not in options.skip:  # the points the step runs, copies included
-            made.report = measured or simulate(space, plan, optimizer=options.optimizer)
+            made.report = (
+                measured
+                if measured is not None
+                else simulate(space, plan, optimizer=options.optimizer)
+            )
             plan.memory["step"] = made.report.to_dict()
         assessed[_solution_key(solution)] = made
         return plan.emitted_step_s()
