@@ -183,8 +183,8 @@ def test_a_curve_on_the_device_clock_leaves_out_the_hosts_call(monkeypatch):
         return fn
 
     small, large = calibrate._queued_times(
-        [call(20e-6), call(300e-6)], torch.device("cpu"), reps=5, seconds=0.0
-    )
+        [call(20e-6), call(300e-6)], torch.device("cpu"), reps=9, seconds=0.0
+    )  # (the median of 9 rounds: a round the scheduler takes the host from is one of them)
     assert small == pytest.approx(20e-6, rel=0.25)
     assert large == pytest.approx(300e-6, rel=0.1)
     # with no lead the host sets the pace: what the leads are there to prevent
