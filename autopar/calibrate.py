@@ -627,6 +627,8 @@ def runtime_terms(
     if len(rows) < 3:
         return line
     p3, roof, r3 = rows[2][0], rows[2][4], rests[2]
+    if roof <= 0:  # nothing priced beyond the calls: nothing to scale
+        return line
     return line[0], line[1], 1.0 + max((r3 - line[0] - line[1] * p3) / roof, 0.0)
 
 

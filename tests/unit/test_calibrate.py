@@ -364,3 +364,6 @@ def test_the_runtime_per_step_parameter_and_the_step_kernels_scale_come_apart():
     # a step that costs less than its priced compute and the line: the curves', not less
     cheap = (37, nodes, calls + roof, calls + roof, roof)
     assert runtime_terms([*rows, cheap], add, view, {})[2] == 1.0
+    # a step priced at its calls alone has no roofline to scale
+    calls_only = (37, nodes, step + param * 37 + 2 * calls, calls, 0.0)
+    assert runtime_terms([*rows, calls_only], add, view, {})[2] == 1.0
