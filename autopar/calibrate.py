@@ -667,16 +667,17 @@ def measure_bandwidth_curve(
     (``DeviceProfile.bandwidth_curve``)."""
     cuda = device.type == "cuda"
     width, dtype = (2048, torch.bfloat16) if cuda else (256, torch.float32)
-    calls, moved = [], []
+    calls, moved, runs = [], [], []
     for n in sizes:
         rows = max(n // width, 1)
         a, b = (torch.randn(rows, width, device=device).to(dtype) for _ in range(2))
         w = torch.randn(width, device=device).to(dtype)
-        third = (
-            (functools.partial(torch.randn(rows, width, device=device).to, dtype), 3 * a.nbytes)
-            if cuda  # float32 in (twice a's bytes), bf16 out
-            else (a.clone, 2 * a.nbytes)
-        )
+        third: tuple[Callable[[], object], int]
+        if cuda:  # a cast of float32 (twice a's bytes) into bf16
+            wide = torch.randn(rows, width, device=device)
+            third = (functools.partial(wide.to, dtype), wide.nbytes + a.nbytes)
+        else:
+            third = (a.clone, 2 * a.nbytes)
         for fn, nbytes in (
             (functools.partial(torch.add, a, b), 3 * a.nbytes),
             (functools.partial(torch.mul, a, w), 2 * a.nbytes + w.nbytes),
@@ -684,13 +685,8 @@ def measure_bandwidth_curve(
         ):
             calls.append(fn)
             moved.append(nbytes)
-    times = _kernel_times(
-        calls,
-        device,
-        reps,
-        seconds,
-        [max(1, min(64, (1 << 20) // n)) for n in sizes for _ in range(3)],
-    )
+            runs.append(max(1, min(64, (1 << 20) // n)))  # on the CPU, a run long enough to time
+    times = _kernel_times(calls, device, reps, seconds, runs)
     curve = []
     for i in range(0, len(calls), 3):
         rates = [_rate(nbytes, t, launch) for nbytes, t in zip(moved[i : i + 3], times[i : i + 3])]
