@@ -284,6 +284,7 @@ def liveness(
     early: Mapping[int, str] = {},
     held: Mapping[int, str] = {},
     prefetched: Mapping[tuple[str, str], str] = {},
+    order: Sequence[str] | None = None,
 ) -> Liveness:
     """Every storage of ``space``'s step and its life (module docstring); with
     ``recompute`` (passes/remat), the step in which any of them may be checkpointed
@@ -291,8 +292,9 @@ def liveness(
     gradient's bucket is issued, ``held``: -> the node after which the bucket's input is
     freed, where later (``output``: the step's end) (passes/buckets; "Buckets");
     ``prefetched``: ``(producer, consumer)`` -> the node after which that reshard is issued
-    (passes/prefetch; "Prefetch")."""
-    order = space.order
+    (passes/prefetch; "Prefetch"); ``order``: the order the step runs its nodes in
+    (passes/order; placeholders first), else the traced one."""
+    order = space.order if order is None else order
     groups: dict[str, list[Recompute]] = defaultdict(list)
     before: dict[str, list[Recompute]] = defaultdict(list)
     unit: dict[str, str] = {}  # a node recomputed -> its group
@@ -641,7 +643,13 @@ def simulate(space: StrategySpace, plan: Plan, optimizer: str = "adamw") -> Memo
     """The per-rank memory of ``plan``'s step, in the order it runs (``plan.order``, else
     the traced one; see the module docstring)."""
     out_ps, in_ps = plan_placements(plan)
-    if plan.order:  # the order passes/order chose (placeholders first, as traced)
-        space = replace(space, order=list(plan.order))
-    lv = liveness(space, plan.recompute, bucketed(plan), held_inputs(plan), prefetched(plan))
+    lv = liveness(
+        space,
+        plan.recompute,
+        bucketed(plan),
+        held_inputs(plan),
+        prefetched(plan),
+        # the order passes/order chose (placeholders first, as traced)
+        order=plan.order or None,
+    )
     return measure(lv, out_ps, in_ps, optimizer, {r.group for r in plan.recompute})

@@ -314,7 +314,7 @@ def _emitted(state: dict) -> Callable[[Solution], float]:
     skipped), simulated (core/schedule). The solver's overlap rounds compare their plans
     by it (passes/solve, "Overlap"). What each stage made is kept by solution
     (``state["assessed"]``): the report stages take the kept round's instead of making it
-    again (each is linear in the step's nodes: ~1 s of a 96-layer plan)."""
+    again (each is linear in the step's nodes: ~0.8 s of a 96-layer plan)."""
     space, options = state["strategies"], state["options"]
     assessed: dict[tuple, _Assessed] = state.setdefault("assessed", {})
 

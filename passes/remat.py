@@ -68,7 +68,15 @@ def is_alias(target) -> bool:
 
 def storage_map(space: StrategySpace) -> dict[tuple[str, int], tuple[str, int]]:
     """(node, output) -> the (node, output) that made its storage (passes/memory's rule:
-    a view, an in-place op and a ``getitem`` share their first input's)."""
+    a view, an in-place op and a ``getitem`` share their first input's). Made once per
+    space (``StrategySpace.derived``): callers must not change it."""
+    made = space.derived.get("storage_map")
+    if made is None:
+        made = space.derived["storage_map"] = _storage_map(space)
+    return made
+
+
+def _storage_map(space: StrategySpace) -> dict[tuple[str, int], tuple[str, int]]:
     storage_of: dict[tuple[str, int], tuple[str, int]] = {}
     for name in space.order:
         if space.targets[name] == "placeholder":

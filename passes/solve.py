@@ -407,9 +407,12 @@ def _host_times(space: StrategySpace, profile: DeviceProfile) -> dict[str, float
     if not profile.host_clock:
         return {}
     out = {}
+    by_op: dict[object, float] = {}
     for name, target in space.targets.items():
         if isinstance(target, torch._ops.OpOverload):
-            t = host_time(profile, target)
+            t = by_op.get(target)
+            if t is None:
+                t = by_op[target] = host_time(profile, target)
             if t > 0:
                 out[name] = t
     return out
@@ -1455,10 +1458,17 @@ def read_solution(ilp: IlpBuilder, status: int, stats: dict, time_limit_s: float
             for label in t.labels:
                 for coll in colls:
                     collectives.append((label, coll, collectives_time([coll], mesh, profile)))
+    inner: dict[tuple[str, int], list[tuple[Collective, float]]] = {}
     for n, k in sorted(choice.items()):
-        # an instance of a fold group runs what its representative's call runs
-        for coll in _inner_collectives(ilp.space, rep(n), ilp.space.strategies[n][k]):
-            collectives.append((f"{n}->{n}", coll, collectives_time([coll], mesh, profile)))
+        # an instance of a fold group runs what its representative's call runs (priced
+        # once per representative and strategy)
+        key = (rep(n), k)
+        if key not in inner:
+            inner[key] = [
+                (coll, collectives_time([coll], mesh, profile))
+                for coll in _inner_collectives(ilp.space, key[0], ilp.space.strategies[n][k])
+            ]
+        collectives.extend((f"{n}->{n}", coll, t) for coll, t in inner[key])
     chosen = ilp.recomputed()
     recompute: list[Recompute] = []
     recompute_s = 0.0

@@ -244,15 +244,29 @@ class Plan:
         def text(ps):
             return None if ps is None else tuple(placement_str(p) for p in ps)
 
+        # a fold group's instances share their strategy objects (passes/fold), and many
+        # nodes one op: each text made once (a 96-layer step has ~18,000 nodes)
+        texts: dict[int, tuple] = {}
+        ops: dict[object, str] = {}
         nodes = {}
         for name in space.order:
             s = solution.chosen(space, name)
+            made = texts.get(id(s))
+            if made is None:
+                made = texts[id(s)] = (
+                    tuple(text(o) for o in s.out),
+                    tuple(text(i) for i in s.ins),
+                )
+            target = space.targets[name]
+            op = ops.get(target)
+            if op is None:
+                op = ops[target] = op_name(target)
             nodes[name] = NodeChoice(
-                op=op_name(space.targets[name]),
+                op=op,
                 module=space.modules[name],
                 role=space.roles[name],
-                out=tuple(text(o) for o in s.out),
-                ins=tuple(text(i) for i in s.ins),
+                out=made[0],
+                ins=made[1],
                 cost_s=solution.node_cost_s[name],
                 host_s=solution.host_s.get(name, 0.0),
             )

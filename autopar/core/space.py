@@ -194,6 +194,11 @@ class StrategySpace:
     reduce_at: dict[str, str] = field(default_factory=dict)
     regions: dict[str, str] = field(default_factory=dict)
     region_groups: dict[str, str] = field(default_factory=dict)
+    derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    """What the passes derive from the step's graph alone (its nodes, targets, edges and
+    shapes, which nothing changes once the space is built; pins narrow only the strategy
+    lists), made once per space and kept here by name: passes/remat's storage map. A
+    space made by ``dataclasses.replace`` starts without any."""
 
     @functools.cached_property
     def in_sources(self) -> dict[str, list[tuple[str, int]]]:

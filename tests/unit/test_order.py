@@ -10,6 +10,7 @@ soon as it is made, holding one at a time.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import warnings
 
@@ -27,6 +28,7 @@ import autopar
 from autopar.passes import order
 from autopar.passes.codegen import codegen
 from autopar.passes.memory import simulate
+from autopar.passes.remat import storage_map
 from autopar.passes.strategies import build_strategies
 from autopar.passes.trace import trace_step
 from autopar.verify import run_measured
@@ -120,6 +122,28 @@ def test_the_order_is_deterministic_and_round_trips_through_json():
     *_, second, _ = _planned(Branches(), ONE)
     assert first.order == second.order
     assert autopar.Plan.from_json(first.to_json()).order == first.order
+
+
+def test_what_the_order_derives_from_the_graph_is_made_once_per_space_and_graph():
+    """The storage map and the order's dependencies are the same for every plan of a step:
+    kept on the space (``StrategySpace.derived``) and read by each plan the overlap rounds
+    judge; a space made by ``dataclasses.replace`` makes its own, and another graph its
+    dependencies."""
+    model, inputs, targets, plan, step = _planned(Branches(), ONE)
+    space = build_strategies(step, ONE)
+    first = order.order_step(space, step.gm, plan)
+    made, kept = space.derived["order_dependencies"]
+    assert made is step.gm
+    again = order.order_step(space, step.gm, plan)
+    assert again.order == first.order == list(plan.order)
+    assert space.derived["order_dependencies"][1] is kept
+    assert storage_map(space) is storage_map(space)
+    other = dataclasses.replace(space, order=list(space.order))
+    assert other.derived == {}
+    assert storage_map(other) is not storage_map(space) and storage_map(other) == storage_map(space)
+    copied = copy.deepcopy(step.gm)
+    assert order.order_step(space, copied, plan).order == first.order
+    assert space.derived["order_dependencies"][0] is copied
 
 
 def test_skipping_the_stage_keeps_the_traced_order():
