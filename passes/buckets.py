@@ -79,6 +79,21 @@ their parameters hold them: 1/G of ``flat`` for a reduce-scatter) from there to 
 core/schedule issues the bucket after its last gradient and, where the profile overlaps
 collectives, lets the compute stream run on to the bucket's wait.
 
+Memory. The solver bounds the step with every gradient reduced at the graph's end, one at a
+time (passes/solve, passes/memory). A bucket holds its members from the first one made to
+its issue, and its flat input beside them where it is issued (to its wait, where that is
+later): a bucket of many gradients issued late can peak above the plan's memory budget
+(``stats["memory_budget"]``) where the solver's step did not. ``bucket_measured`` measures
+the bucketed step (passes/memory ``simulate``); while its peak is above the budget, each
+bucket that holds bytes at the peak is split (its key's cap becomes half its bytes), or, a
+bucket of one gradient, that gradient is reduced as the plan lists it; after
+``BUDGET_ROUNDS`` rounds, none is bucketed. ``stats["bucket_budget"]``: how many keys were
+split and gradients left out. Nothing is measured where the solver's peak
+(``stats["peak_bytes"]``) plus every bucket's flat input fits the budget: at any point the
+bucketed step holds at most those more than the step the solver bounded (a member is freed
+at its bucket's issue, and its reduced part is no larger than it), and the operator order
+(passes/order) only lowers that step's peak.
+
 ``plan.cost``: ``comm_s`` and ``comm_by_kind_s`` are repriced with the buckets (the sum
 of the step's collectives, nothing discounted, but an op's own, ``n->n``, which are in
 its node's cost and so in ``compute_s``); the solver's own objective (passes/solve,
@@ -100,9 +115,21 @@ import torch
 from autopar.core import Plan, StrategySpace, local_shape, parse_placements, reductions, roles
 from autopar.core.schedule import inside_op
 
+from .memory import MemoryReport, held_inputs, simulate
 from .solve import collective_s, overlaps_collectives
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "Bucket", "bucket_reductions", "candidates"]
+__all__ = [
+    "BUDGET_ROUNDS",
+    "DEFAULT_BUCKET_BYTES",
+    "Bucket",
+    "bucket_measured",
+    "bucket_reductions",
+    "candidates",
+]
+
+BUDGET_ROUNDS = 8
+"""How many times the buckets held at the peak are split before every gradient is reduced
+at the graph's end, as the solver priced the step (``bucket_measured``)."""
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 """DDP's default bucket cap (``bucket_cap_mb=25``)."""
@@ -118,6 +145,7 @@ class Bucket:
     op: str
     members: list[dict] = dataclasses.field(default_factory=list)
     positions: list[int] = dataclasses.field(default_factory=list)
+    sources: list[str] = dataclasses.field(default_factory=list)  # the nodes making them
     issue: str = ""
     at: int = 0  # the issue node's position in the step's order
     numel: int = 0  # of the flat input, unpadded
@@ -222,11 +250,79 @@ def step_bytes(b: Bucket, mesh) -> list[int]:
     return out
 
 
-def bucket_reductions(space: StrategySpace, plan: Plan, bucket_bytes: float) -> Plan:
+def bucket_reductions(
+    space: StrategySpace, plan: Plan, bucket_bytes: float, optimizer: str = "adamw"
+) -> Plan:
     """``plan`` with its gradient reductions bucketed (module docstring)."""
+    return bucket_measured(space, plan, bucket_bytes, optimizer)[0]
+
+
+def bucket_measured(
+    space: StrategySpace, plan: Plan, bucket_bytes: float, optimizer: str = "adamw"
+) -> tuple[Plan, MemoryReport | None]:
+    """``bucket_reductions``, and the step memory of the plan it returns where the budget
+    check measured it (passes/memory ``simulate``; else None): where the buckets raise the
+    step's peak above the plan's memory budget, the buckets held at the peak are split,
+    and a gradient alone in one is reduced as the solver priced it ("Memory", module
+    docstring)."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
     found = candidates(space, plan)
+    budget = plan.stats.get("memory_budget")
+    caps: dict[tuple, float] = {}  # (steps, dtype, op) -> its lowered cap
+    alone: set[int] = set()  # sink positions reduced as the plan lists them
+    # the solver's peak (the gradients reduced at the end) and every bucket's flat input
+    # live at once bound the bucketed step's: where that fits, nothing is measured
+    solver_peak = plan.stats.get("peak_bytes")
+    for _ in range(BUDGET_ROUNDS):
+        out, done = _bucketed(plan, [f for f in found if f[0] not in alone], bucket_bytes, caps)
+        if budget is None or not done:
+            return out, None
+        flat = sum(b.numel * b.dtype.itemsize for b in done)
+        if not (alone or caps) and solver_peak is not None and solver_peak + flat <= budget:
+            return out, None
+        report = simulate(space, out, optimizer)
+        if report.peak_bytes <= budget:
+            break
+        held = _held_at_peak(out, done, report)
+        if not held:
+            break  # the peak is the step's own (the solver's budget check says so)
+        for b in held:
+            if len(b.members) == 1:
+                alone.update(b.positions)
+            else:
+                caps[(b.steps, b.dtype, b.op)] = b.numel * b.dtype.itemsize / 2
+    else:  # the solver's step: every gradient reduced at the graph's end
+        return _bucketed(plan, [], bucket_bytes, {})[0], None
+    if alone or caps:
+        out.stats["bucket_budget"] = {"split": len(caps), "unbucketed": len(alone)}
+    return out, report
+
+
+def _held_at_peak(plan: Plan, done: Sequence[Bucket], report: MemoryReport) -> list[Bucket]:
+    """The buckets of ``done`` that hold bytes at ``report``'s peak: a member made and not
+    yet in its bucket (from the first member's node to the issue), or the flat input not
+    yet freed (to its wait: ``wait_after``, ``step_after``, or the step's end where a
+    reduce-scatter is waited for there; passes/memory ``held_inputs``)."""
+    point = {n: i for i, (n, _) in enumerate(report.timeline)}
+    end = len(report.timeline) - 1
+    peak = report.peak_index
+    until = held_inputs(plan)
+    held = []
+    for b in done:
+        first = min(point.get(src, end) for src in b.sources)
+        freed = until.get(b.positions[0])
+        last = point.get(b.issue, end) if freed is None else point.get(freed, end)
+        if first <= peak <= last:
+            held.append(b)
+    return held
+
+
+def _bucketed(
+    plan: Plan, found: Sequence[tuple], bucket_bytes: float, caps: dict[tuple, float]
+) -> tuple[Plan, list[Bucket]]:
+    """``plan`` with the reductions ``found`` (``candidates``) in buckets of at most
+    ``bucket_bytes`` (``caps``: a lower cap by the bucket's key), and the buckets."""
     open_: dict[tuple, Bucket] = {}
     done: list[Bucket] = []
     for position, cs, at, src, op, dtype, numel in found:
@@ -235,9 +331,10 @@ def bucket_reductions(space: StrategySpace, plan: Plan, bucket_bytes: float) -> 
         b = open_.setdefault(key, Bucket(steps, dtype, op))
         b.members.append(cs[0])
         b.positions.append(position)
+        b.sources.append(src)
         b.issue, b.at = src, at
         b.numel += numel
-        if b.numel * dtype.itemsize >= bucket_bytes:
+        if b.numel * dtype.itemsize >= caps.get(key, bucket_bytes):
             done.append(open_.pop(key))
     done.extend(open_.values())
     axis_index = {a: i for i, a in enumerate(plan.mesh.axis_names)}
@@ -292,4 +389,4 @@ def bucket_reductions(space: StrategySpace, plan: Plan, bucket_bytes: float) -> 
     out.stats["buckets"] = len(done)
     out.stats["overlaps_collectives"] = overlap
     out.stats["bucketed_reductions"] = len(found)  # gradients
-    return out
+    return out, done

@@ -61,7 +61,7 @@ from typing import Any
 
 from autopar.core import CompiledStep, Plan, Solution, StrategySpace
 
-from .buckets import DEFAULT_BUCKET_BYTES, bucket_reductions
+from .buckets import DEFAULT_BUCKET_BYTES, bucket_measured, bucket_reductions
 from .codegen import codegen
 from .fold import FoldedGraph, fold_regions
 from .memory import OPTIMIZERS, MemoryReport, simulate
@@ -325,14 +325,18 @@ def _emitted(state: dict) -> Callable[[Solution], float]:
             made.ordering = order_step(space, state["trace"].gm, plan)
             if made.ordering.changed:
                 plan = dataclasses.replace(plan, order=tuple(made.ordering.order))
+        measured = None  # the memory of the plan as it stands, where a budget check measured it
         if "buckets" not in options.skip:
             before = dict(plan.stats)
-            plan = made.bucketed = bucket_reductions(space, plan, options.bucket_bytes)
+            plan, measured = bucket_measured(space, plan, options.bucket_bytes, options.optimizer)
+            made.bucketed = plan
             made.bucket_stats = _added(before, plan.stats)
-        measured = None  # the memory of the prefetched plan, where prefetch measured it
         if "prefetch" not in options.skip:
             before = dict(plan.stats)
-            plan, measured = prefetch_measured(space, plan, options.optimizer)
+            given = plan
+            plan, prefetched = prefetch_measured(space, plan, options.optimizer)
+            # (prefetch returns the plan it was given where it measured nothing)
+            measured = prefetched if prefetched is not None or plan is not given else measured
             made.prefetched = plan
             made.prefetch_stats = _added(before, plan.stats)
         if "memory" not in options.skip:  # the points the step runs, copies included
@@ -404,7 +408,8 @@ def _buckets(state: dict) -> int:
         plan = dataclasses.replace(plan, collectives=b.collectives, cost=b.cost)
         plan.stats.update(made.bucket_stats)
     else:
-        plan = bucket_reductions(state["strategies"], plan, state["options"].bucket_bytes)
+        options = state["options"]
+        plan = bucket_reductions(state["strategies"], plan, options.bucket_bytes, options.optimizer)
     state["plan"] = plan
     return int(plan.stats.get("buckets", 0))
 

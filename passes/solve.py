@@ -1778,7 +1778,11 @@ def solve(
         def length(step: float) -> float:
             if assess is None:
                 return step
-            solution = read_solution(ilp, status, {"memory_budget": budget}, time_limit_s)
+            # (the solver's peak: passes/buckets measures only where buckets may pass it)
+            stats = {"memory_budget": budget}
+            if report is not None:
+                stats["peak_bytes"] = report.peak_bytes
+            solution = read_solution(ilp, status, stats, time_limit_s)
             return assess(solution)
 
         def next_shares(scales: dict) -> dict[tuple[str, int], float] | None:

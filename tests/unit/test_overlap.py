@@ -31,7 +31,7 @@ def _dp_plan(cfg: GPTConfig, batch: int, mesh: autopar.Mesh) -> autopar.Plan:
                                 loss_fn=cross_entropy_loss, example_targets=(tokens,))  # fmt: skip
 
 
-def _fsdp_plan(cfg: GPTConfig, batch: int, mesh: autopar.Mesh, skip=()) -> autopar.Plan:
+def _fsdp_plan(cfg: GPTConfig, batch: int, mesh: autopar.Mesh, skip=(), **kw) -> autopar.Plan:
     with torch.device("meta"):
         model = GPT(cfg)
     tokens = torch.zeros(batch, cfg.seq, dtype=torch.long, device="meta")
@@ -39,7 +39,7 @@ def _fsdp_plan(cfg: GPTConfig, batch: int, mesh: autopar.Mesh, skip=()) -> autop
         warnings.simplefilter("ignore")
         return autopar.plan(model, mesh, (tokens,), loss_fn=cross_entropy_loss,
                             example_targets=(tokens,), constraints=experts.fsdp(mesh),
-                            skip=skip)  # fmt: skip
+                            skip=skip, **kw)  # fmt: skip
 
 
 def _axis_of(span) -> str:
@@ -117,6 +117,26 @@ def test_fsdp_reduce_scatter_buckets_overlap_as_emitted_and_count_at_the_share_l
     assert bucketed.cost["objective_s"] < bucketed.cost["compute_s"] + bucketed.cost["comm_s"]
     rounds = bucketed.stats["overlap_rounds"]
     assert bucketed.cost["total_s"] == pytest.approx(min(rounds), rel=1e-9)
+
+
+def test_buckets_that_raise_the_peak_above_the_budget_are_split_until_the_step_fits():
+    """One bucket of every gradient (``bucket_mb`` over them all) holds each gradient to the
+    backward's end and, where it is issued, their flat copy beside them: a peak ~1.4 times
+    that of the gradients reduced one by one at the end, which the solver bounds. Under a
+    budget at that lower peak, the buckets held at the peak are split until the step fits
+    (passes/buckets, "Memory")."""
+    mesh = autopar.Mesh((4,), ("dp",), device="h100")
+    alone = _fsdp_plan(HEAVY, 64, mesh, skip={"buckets", "prefetch"})
+    budget = alone.memory["step"]["peak_bytes"]
+    one = _fsdp_plan(HEAVY, 64, mesh, skip={"prefetch"}, bucket_mb=1000)
+    assert one.stats["buckets"] == 1 and "bucket_budget" not in one.stats
+    assert one.memory["step"]["peak_bytes"] > 1.2 * budget
+    fits = _fsdp_plan(HEAVY, 64, mesh, skip={"prefetch"}, bucket_mb=1000, memory_budget=budget)
+    assert fits.memory["step"]["peak_bytes"] <= budget
+    assert fits.stats["buckets"] > 1 and fits.stats["bucket_budget"]["split"] >= 1
+    # every gradient still in a bucket, issued as its bucket fills
+    assert fits.stats["bucketed_reductions"] == one.stats["bucketed_reductions"]
+    assert fits.stats["bucket_budget"]["unbucketed"] == 0
 
 
 # with bf16 weights and float32 gradients over the inter-node link, 4 x 512 tokens per rank
