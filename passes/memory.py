@@ -91,7 +91,7 @@ import torch
 from torch.distributed.tensor import Replicate
 
 from autopar.core import Plan, Recompute, Sink, StrategySpace, local_shape, parse_placements, roles
-from autopar.core.schedule import bucket_site, edge_ends
+from autopar.core.schedule import bucket_site, edge_ends, step_points
 
 from .layout import arena
 from .remat import COPY, storage_map
@@ -296,27 +296,17 @@ def liveness(
     (passes/order; placeholders first), else the traced one."""
     order = space.order if order is None else order
     groups: dict[str, list[Recompute]] = defaultdict(list)
-    before: dict[str, list[Recompute]] = defaultdict(list)
     unit: dict[str, str] = {}  # a node recomputed -> its group
     moved: dict[str, str] = {}  # a node that then runs only in the backward -> its group
     for rec in recompute:
         groups[rec.group].append(rec)
-        before[rec.before].append(rec)
         unit.update((n, rec.group) for n in rec.nodes)
         moved.update((n, rec.group) for n in rec.moved)
     # the points: every node, and before a layer's first backward read, its copies
-    points: list[str] = []
-    node_at: list[str] = []
-    unit_at: list[str | None] = []
-    for name in order:
-        for rec in before.get(name, ()):
-            for n in rec.nodes:
-                points.append(COPY + n)
-                node_at.append(n)
-                unit_at.append(rec.group)
-        points.append(name)
-        node_at.append(name)
-        unit_at.append(None)
+    at = step_points(order, recompute)
+    points = [p for p, _, _ in at]
+    node_at = [n for _, n, _ in at]
+    unit_at = [g for _, _, g in at]
     end = len(points)
     storage_of = storage_map(space)
     # storage key -> [first, last, category]: a copy's storages are keyed by the copy

@@ -37,7 +37,9 @@ Where the solver's overlap rounds judged the solution the plan is (``_emitted``,
 CUDA), the four report stages take what the rounds made of it (the order, the bucketed
 and the prefetched plan, the memory report; ``state["assessed"]``) instead of making it
 again; the order stage still measures the traced order's peak. A round's memory report is
-the one prefetch's budget check measured of the same plan, where it measured one.
+the one the buckets' or prefetch's budget check measured of the same plan, where one did;
+else the memory stage measures the kept round's plan (a round's step length needs none:
+core/schedule runs the plan's order with its checkpointed layers' copies).
 
 ``run_stages`` runs the stages in order. For each it records the wall time as
 ``stats["<name>_s"]`` and the stage's own statistics, and logs one line (logger
@@ -339,13 +341,11 @@ def _emitted(state: dict) -> Callable[[Solution], float]:
             measured = prefetched if prefetched is not None or plan is not given else measured
             made.prefetched = plan
             made.prefetch_stats = _added(before, plan.stats)
-        if "memory" not in options.skip:  # the points the step runs, copies included
-            made.report = (
-                measured
-                if measured is not None
-                else simulate(space, plan, optimizer=options.optimizer)
-            )
-            plan.memory["step"] = made.report.to_dict()
+        if measured is not None and "memory" not in options.skip:
+            # (unmeasured, the step's points are the plan's order and its copies alike,
+            # core/schedule; the memory stage measures the kept round's plan once)
+            made.report = measured
+            plan.memory["step"] = measured.to_dict()
         assessed[_solution_key(solution)] = made
         return plan.emitted_step_s()
 

@@ -44,8 +44,13 @@ consumer. Where the held outputs raise the step's peak above the plan's memory b
 (``stats["memory_budget"]``; the solver bounds the step without them), the reshards held at
 the peak are issued at their consumers instead, and the step is measured again, at most
 ``BUDGET_ROUNDS`` times; then, or where none is held at the peak, nothing is prefetched.
-``prefetch_measured`` returns the last measurement with the plan (the memory stage's
-report of it, which the overlap rounds take: passes/pipeline).
+The step is measured only where it may pass the budget: the solver's peak
+(``stats["peak_bytes"]``, the step without buckets and prefetches), every bucket's flat
+input (passes/buckets), every reshard issued early and every output of a node moved ahead,
+all held at once, bound it (``_held_bound``; the operator order only lowers the solver's
+step's peak). ``prefetch_measured`` returns the last measurement with the plan, where it
+made one (the memory stage's report of it, which the overlap rounds take:
+passes/pipeline).
 
 ``plan.stats``: ``prefetched`` (reshards issued early), ``prefetch_moved`` (inputs moved
 ahead for them).
@@ -55,11 +60,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
+from collections.abc import Collection, Sequence
 
-from autopar.core import Plan, StrategySpace, roles
+from autopar.core import Plan, StrategySpace, parse_placements, roles
 from autopar.core.schedule import edge_ends, purpose
 
-from .memory import MemoryReport, simulate
+from .memory import MemoryReport, local_bytes, simulate
 from .order import ready_nodes
 from .solve import overlaps_collectives
 
@@ -113,10 +119,10 @@ def _sequence(space: StrategySpace, plan: Plan, order: list[str]) -> list[list[d
     return list(by_axis.values())
 
 
-def _moved_ahead(space: StrategySpace, plan: Plan, order: list[str]) -> tuple[list[str], int]:
+def _moved_ahead(space: StrategySpace, plan: Plan, order: list[str]) -> tuple[list[str], list[str]]:
     """``order`` with each candidate's input that is one of ``ready_nodes`` (passes/order)
     and is made after the point its reshard would be issued at, moved there with the ready
-    nodes it reads (module docstring, "The model's state"); and how many nodes moved."""
+    nodes it reads (module docstring, "The model's state"); and the nodes moved."""
     fed = {edge_ends(c["edge"])[1] for c in plan.collectives if purpose(c) == "reshard"}
     ready = ready_nodes(space, fed)
     position = {n: i for i, n in enumerate(order)}
@@ -140,7 +146,7 @@ def _moved_ahead(space: StrategySpace, plan: Plan, order: list[str]) -> tuple[li
                 if position[n] >= at:
                     before[n] = min(before.get(n, at), at)
     if not before:
-        return order, 0
+        return order, []
     slots: dict[int, list[str]] = defaultdict(list)
     for n in order:  # the moved nodes keep their order among themselves
         if n in before:
@@ -150,7 +156,7 @@ def _moved_ahead(space: StrategySpace, plan: Plan, order: list[str]) -> tuple[li
         out.extend(slots.get(i, ()))
         if n not in before:
             out.append(n)
-    return out, len(before)
+    return out, list(before)
 
 
 def prefetch_reshards(space: StrategySpace, plan: Plan, optimizer: str = "adamw") -> Plan:
@@ -186,6 +192,7 @@ def prefetch_measured(
             previous = position[dst]
     budget = plan.stats.get("memory_budget")
     consumer = {id(c): edge_ends(c["edge"])[1] for c in plan.collectives}
+    bound = _held_bound(plan, early, _moved_bytes(space, plan, moved))
     for _ in range(BUDGET_ROUNDS):
         if not early:
             return plan, None
@@ -197,8 +204,9 @@ def prefetch_measured(
             stats=dict(plan.stats),
         )  # fmt: skip
         report = None
-        if budget is None:
+        if budget is None or (bound is not None and bound <= budget):
             break
+        bound = None  # (once measured, measured each round)
         report = simulate(space, out, optimizer)
         if report.peak_bytes <= budget:
             break
@@ -213,5 +221,32 @@ def prefetch_measured(
     else:
         return plan, None
     out.stats["prefetched"] = len(early)
-    out.stats["prefetch_moved"] = moved
+    out.stats["prefetch_moved"] = len(moved)
     return out, report
+
+
+def _held_bound(plan: Plan, early: Collection[int], kept: int) -> int | None:
+    """A bound on the prefetched step's peak, where the plan carries the solver's
+    (``stats["peak_bytes"]``: the step without buckets and prefetches, in traced order):
+    that, and every bucket's flat input (passes/buckets: no more than that beside the
+    solver's step), every reshard of ``early`` (ids of the plan's collectives issued early;
+    each entry's bytes: at least its buffer) and ``kept`` (``_moved_bytes``), all held at
+    once. None without it."""
+    solver = plan.stats.get("peak_bytes")
+    if solver is None:
+        return None
+    flat = sum(c["nbytes"] for c in plan.collectives if "bucket" in c and not c.get("step"))
+    ahead = sum(c["nbytes"] for c in plan.collectives if id(c) in early)
+    return int(solver) + flat + ahead + kept
+
+
+def _moved_bytes(space: StrategySpace, plan: Plan, moved: Sequence[str]) -> int:
+    """Bytes one rank holds of the outputs of the nodes ``moved`` ahead (``_moved_ahead``)."""
+    mesh = tuple(plan.mesh.shape)
+    kept = 0
+    for n in moved:
+        for sd, text in zip(space.shapes[n], plan.nodes[n].out):
+            if sd is not None:
+                ps = None if text is None else parse_placements(text)
+                kept += local_bytes(sd[0], sd[1], ps, mesh)
+    return kept

@@ -47,11 +47,9 @@ from collections.abc import Sequence
 import torch
 
 from autopar.core import Recompute, StrategySpace, roles
+from autopar.core.schedule import COPY  # the name of a copy's point in the step
 
 __all__ = ["COPY", "Recompute", "apply", "candidates", "checkpointed", "is_alias", "storage_map"]
-
-COPY = "recompute:"
-"""Prefix of the name of a copy's point in passes/memory's step order."""
 
 
 def is_alias(target) -> bool:

@@ -78,15 +78,18 @@ the buckets behind the backward up to the backward's length, whatever their orde
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from .plan import Plan
+    from .space import Recompute
 
 __all__ = [
     "COMM",
     "COMPUTE",
+    "COPY",
     "HOST",
     "Span",
     "bucket_site",
@@ -94,9 +97,32 @@ __all__ = [
     "purpose",
     "schedule",
     "step_length",
+    "step_points",
 ]
 
 COMPUTE, COMM, HOST = "compute", "communication", "host"
+
+COPY = "recompute:"
+"""Prefix of the name of a checkpointed layer's copy of a node among the step's points."""
+
+
+def step_points(
+    order: Sequence[str], recompute: Iterable[Recompute] = ()
+) -> list[tuple[str, str, str | None]]:
+    """``(point, node, fold group)`` of each point of the step that runs ``order`` with the
+    layers ``recompute`` checkpointed (passes/remat): each node (group None), and right
+    before the backward node a layer's copies run before (``Recompute.before``), a copy of
+    each node it recomputes (``recompute:<node>``, the layer's group). passes/memory's
+    timeline has these points; core/schedule runs them where a plan has no timeline."""
+    before: dict[str, list[Recompute]] = defaultdict(list)
+    for rec in recompute:
+        before[rec.before].append(rec)
+    points: list[tuple[str, str, str | None]] = []
+    for name in order:
+        for rec in before.get(name, ()):
+            points.extend((COPY + n, n, rec.group) for n in rec.nodes)
+        points.append((name, name, None))
+    return points
 
 
 def purpose(collective: dict) -> str:
@@ -137,12 +163,13 @@ class Span:
 
 def _points(plan: Plan) -> list[str]:
     """The compute stream's points in order: the memory timeline's, else the plan's order
-    (passes/order), else graph order."""
+    (passes/order), else graph order, with the copies of the layers it checkpoints
+    (``step_points``: the timeline's points, without measuring the step's memory)."""
     step = plan.memory.get("step") or {}
     nodes = (step.get("timeline") or {}).get("nodes")
     if nodes:
         return [n for n in nodes if n != "output"]
-    return list(plan.order or plan.nodes)
+    return [p for p, _, _ in step_points(plan.order or list(plan.nodes), plan.recompute)]
 
 
 def inside_op(edge: str) -> bool:

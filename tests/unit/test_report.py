@@ -46,19 +46,28 @@ def _bucket(span, plan: Plan) -> bool:
     return any(c["edge"] == span.name and "bucket" in c for c in plan.collectives)
 
 
+def _overlapped(span, plan: Plan) -> bool:
+    """A bucket, or a reshard issued ahead of its consumer (passes/prefetch)."""
+    return any(
+        c["edge"] == span.name and ("bucket" in c or "issue_after" in c) for c in plan.collectives
+    )
+
+
 def _axis(span) -> str:
     return span.what.partition("@")[2].partition(",")[0]
 
 
 @pytest.mark.parametrize("name", CASES)
-def test_emitted_schedule_waits_for_every_collective_but_the_overlapped_buckets(name):
+def test_emitted_schedule_waits_for_every_collective_but_the_overlapped_ones(name):
+    """Every collective is waited for where it is issued, but the buckets and the reshards
+    issued ahead of their consumers, where the device overlaps collectives."""
     plan = _golden(name)
     spans = schedule(plan)
     comm = [s for s in spans if s.stream == COMM]
     assert len(comm) == len(plan.collectives) > 0
     overlaps = plan.stats["overlaps_collectives"]
     assert overlaps == ("h100" in name)
-    hidden = [s for s in comm if overlaps and _bucket(s, plan)]
+    hidden = [s for s in comm if overlaps and _overlapped(s, plan)]
     full = plan.cost["compute_s"] + sum(plan.cost["comm_by_kind_s"].values())
     waited = full - sum(s.dur_s for s in hidden)
     assert waited - 1e-12 <= step_length(spans) <= full + 1e-12
@@ -69,7 +78,7 @@ def test_emitted_schedule_waits_for_every_collective_but_the_overlapped_buckets(
     else:  # no longer than that (a collective queued behind a bucket on its axis's stream
         # can make the kernel that waits for it wait as long as without the overlap)
         assert hidden and step_length(spans) <= full + 1e-12
-    # the step waits for every collective where it sits, but the buckets it overlaps
+    # the step waits for every collective where it sits, but those it overlaps
     compute = [s for s in spans if s.stream == COMPUTE]
     for c in comm:
         if c in hidden:
@@ -167,15 +176,24 @@ def test_a_plan_without_collectives_schedules_its_compute_alone():
 
 
 def test_without_a_memory_timeline_the_compute_runs_in_the_plans_order():
-    """The solver's overlap rounds simulate a plan the memory stage has not seen: the
-    compute stream follows ``plan.order`` (passes/order, passes/prefetch), not graph order."""
+    """The solver's overlap rounds simulate a plan the memory stage has not measured: the
+    compute stream follows ``plan.order`` (passes/order, passes/prefetch), not graph order,
+    with the copies of its checkpointed layers where the memory timeline has them."""
     plan = _golden("gpt-4-h100-mem0.25-nofold")
-    timeline = [n for n in plan.memory["step"]["timeline"]["nodes"] if n in plan.nodes]
-    order = list(reversed(timeline))
+    assert plan.recompute
+    timeline = [n for n in plan.memory["step"]["timeline"]["nodes"] if n != "output"]
+    ran = [s.name for s in schedule(plan) if s.stream == COMPUTE]
     memory = {k: v for k, v in plan.memory.items() if k != "step"}
+    # the points the memory timeline has, without it
+    assert [s.name for s in schedule(dataclasses.replace(plan, memory=memory))
+            if s.stream == COMPUTE] == ran == [n for n in timeline if n in ran]  # fmt: skip
+    copies = [n for n in ran if n.startswith("recompute:")]
+    assert copies and len(ran) > 10
+    order = list(reversed([n for n in timeline if n in plan.nodes]))
     bare = dataclasses.replace(plan, memory=memory, order=tuple(order), collectives=())
     ran = [s.name for s in schedule(bare) if s.stream == COMPUTE]
-    assert ran == [n for n in order if n in ran] and len(ran) > 10
+    assert [n for n in ran if n in plan.nodes] == [n for n in order if n in ran]
+    assert sorted(n for n in ran if n.startswith("recompute:")) == sorted(copies)
     assert ran != [n for n in plan.nodes if n in ran]
 
 
