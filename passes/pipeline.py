@@ -71,7 +71,7 @@ from .order import Ordering, order_step
 from .pins import Pin
 from .pins import resolve as resolve_pins
 from .prefetch import prefetch_measured
-from .solve import DEVICE_BUDGET, overlaps_collectives, solve
+from .solve import DEVICE_BUDGET, overlaps_collectives, solve, within
 from .strategies import build_strategies
 from .trace import StepGraph, trace_step
 
@@ -446,10 +446,37 @@ def _prefetch_stats(prefetched: int | None) -> dict:
 
 def _memory(state: dict) -> MemoryReport:
     plan, made = state["plan"], _reused(state)
+    report = None
     if made is not None and made.report is not None and made.prefetched is not None:
         if plan.collectives == made.prefetched.collectives and plan.order == made.prefetched.order:
-            return made.report
-    return simulate(state["strategies"], plan, optimizer=state["options"].optimizer)
+            report = made.report
+    if report is None:
+        report = simulate(state["strategies"], plan, optimizer=state["options"].optimizer)
+    state["plan"] = _over_budget(plan, report)
+    return report
+
+
+def _over_budget(plan: Plan, report: MemoryReport) -> Plan:
+    """``plan``, with a warning where its step (``report``: the order, the buckets and the
+    prefetches as emitted) peaks above the memory budget although the solver's step did
+    not (passes/solve warns of its own): the buckets' and the prefetches' budget checks
+    should keep it within (passes/buckets, passes/prefetch)."""
+    budget = plan.stats.get("memory_budget")
+    solver = plan.stats.get("peak_bytes")
+    if budget is None or solver is None or solver > budget + within(budget):
+        return plan
+    if report.peak_bytes <= budget + within(budget):
+        return plan
+    mib = 2**20
+    return dataclasses.replace(
+        plan,
+        warnings=(
+            *plan.warnings,
+            f"the emitted step's memory ({report.peak_bytes / mib:,.1f} MiB per rank at "
+            f"{report.peak_node}) is above the budget of {budget / mib:,.1f} MiB that the "
+            f"solver's step keeps ({solver / mib:,.1f} MiB): please report it with the model",
+        ),
+    )
 
 
 def _memory_stats(report: MemoryReport | None) -> dict:

@@ -313,6 +313,7 @@ __all__ = [
     "overlaps_collectives",
     "smallest_budget",
     "solve",
+    "within",
 ]
 
 
@@ -1556,8 +1557,9 @@ MAX_ROUNDS = 16
 """Rounds of the cutting-plane loop (module docstring, "Memory")."""
 
 
-def _slack(budget: float) -> float:
-    """What a plan may exceed a bound by: the solver's feasibility tolerance, in bytes."""
+def within(budget: float) -> float:
+    """What a plan may exceed a memory bound by: the solver's feasibility tolerance, in
+    bytes."""
     return 1e-9 * budget + 64
 
 
@@ -1921,7 +1923,7 @@ def solve(
         )
     if budget is not None:
         stats.update(memory_budget=int(budget), memory_cuts=len(ilp.cuts))
-        if report.peak_bytes > budget + _slack(budget):
+        if report.peak_bytes > budget + within(budget):
             warnings.append(
                 f"the plan's step memory ({report.peak_bytes / _MIB:.1f} MiB per rank at "
                 f"{report.peak_node}) is above the budget of {budget / _MIB:.1f} MiB: the "

@@ -279,3 +279,21 @@ def test_rounds_solved_beside_give_the_plan_solved_in_place(monkeypatch):
     assert beside.stats["overlap_rounds"] == in_place.stats["overlap_rounds"]
     assert beside.collectives == in_place.collectives
     assert beside.cost["total_s"] == in_place.cost["total_s"]
+
+
+def test_an_emitted_step_above_the_budget_the_solver_kept_is_said(monkeypatch):
+    """The buckets' budget check keeps the step within the budget; where a stage's check
+    misjudged it (here a stand-in measurement that sees nothing), the plan says its emitted
+    step is above the budget the solver's step keeps (passes/pipeline ``_over_budget``)."""
+    from autopar.passes import buckets
+    from autopar.passes.memory import MemoryReport
+
+    mesh = autopar.Mesh((4,), ("dp",), device="h100")
+    budget = _fsdp_plan(HEAVY, 64, mesh, skip={"buckets", "prefetch"}).memory["step"]["peak_bytes"]
+    kw = dict(skip={"prefetch"}, bucket_mb=1000, memory_budget=budget)
+    assert not any("emitted step" in w for w in _fsdp_plan(HEAVY, 64, mesh, **kw).warnings)
+    monkeypatch.setattr(buckets, "simulate", lambda *a, **k: MemoryReport(0, "output", {}))
+    plan = _fsdp_plan(HEAVY, 64, mesh, **kw)
+    assert plan.memory["step"]["peak_bytes"] > budget
+    (said,) = [w for w in plan.warnings if "emitted step" in w]
+    assert "above the budget" in said and plan.stats["peak_bytes"] <= budget
