@@ -278,7 +278,7 @@ def bucket_measured(
         out, done = _bucketed(plan, [f for f in found if f[0] not in alone], bucket_bytes, caps)
         if budget is None or not done:
             return out, None
-        flat = sum(b.numel * b.dtype.itemsize for b in done)
+        flat = sum(step_bytes(b, plan.mesh)[0] for b in done)  # (padded, hierarchical)
         if not (alone or caps) and solver_peak is not None and solver_peak + flat <= budget:
             return out, None
         report = simulate(space, out, optimizer)
@@ -293,7 +293,9 @@ def bucket_measured(
             else:
                 caps[(b.steps, b.dtype, b.op)] = b.numel * b.dtype.itemsize / 2
     else:  # the solver's step: every gradient reduced at the graph's end
-        return _bucketed(plan, [], bucket_bytes, {})[0], None
+        out = _bucketed(plan, [], bucket_bytes, {})[0]
+        out.stats["bucket_budget"] = {"split": len(caps), "unbucketed": len(found)}
+        return out, None
     if alone or caps:
         out.stats["bucket_budget"] = {"split": len(caps), "unbucketed": len(alone)}
     return out, report
