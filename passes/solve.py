@@ -1882,10 +1882,16 @@ def solve(
         options = exact
     ilp_s = round(time.perf_counter() - t0, 6)
     if status == pywraplp.Solver.NOT_SOLVED:
+        size = f"{ilp.lp.NumVariables()} variables, {ilp.lp.NumConstraints()} constraints"
+        if ilp_s < 0.9 * time_limit_s:  # the solver gave up on its own, not at the limit
+            raise SolveError(
+                f"the solver ({solver}) stopped without a plan after {ilp_s:.1f} s, before "
+                f"its time limit of {time_limit_s:.0f} s ({size}): please report it with "
+                "the model; another solver may solve it (AUTOPAR_SOLVER=SCIP)"
+            )
         raise SolveError(
             f"the solver found no plan within its time limit of {time_limit_s:.0f} s "
-            f"({ilp.lp.NumVariables()} variables, {ilp.lp.NumConstraints()} constraints): "
-            "raise time_limit_s (autopar.plan(..., time_limit_s=...))"
+            f"({size}): raise time_limit_s (autopar.plan(..., time_limit_s=...))"
             + ("" if budget is None else ", or the memory budget")
         )
     if not _solved(status):

@@ -14,6 +14,7 @@ import contextlib
 import itertools
 import math
 import re
+import types
 import warnings
 
 import pytest
@@ -215,9 +216,23 @@ def test_no_plan_within_the_time_limit_is_an_error_that_says_so(monkeypatch):
 
     space = _space(batch=8, hidden=1024, ffn=4096, data_parallel=True)
     monkeypatch.setattr(solve_pass, "_run", lambda *a: pywraplp.Solver.NOT_SOLVED)
+    # the clock runs 5 s a reading: the solve took longer than its limit
+    ticks = itertools.count(0.0, 5.0)
+    monkeypatch.setattr(solve_pass, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks)))
     with pytest.raises(SolveError, match="no plan within its time limit of 3 s") as e:
         solve(space, time_limit_s=3, memory_budget=1e12)
     assert "raise time_limit_s" in str(e.value) and "memory" not in str(e.value).split(":")[0]
+
+
+def test_a_solver_that_gives_up_before_its_time_limit_is_not_said_to_have_run_out(
+    monkeypatch,
+):
+    space = _space(batch=8, hidden=1024, ffn=4096, data_parallel=True)
+    monkeypatch.setattr(solve_pass, "_run", lambda *a: pywraplp.Solver.NOT_SOLVED)
+    with pytest.raises(SolveError, match="stopped without a plan after") as e:
+        solve(space, time_limit_s=600, memory_budget=1e12)
+    assert "before its time limit of 600 s" in str(e.value)
+    assert "raise time_limit_s" not in str(e.value) and "AUTOPAR_SOLVER" in str(e.value)
 
 
 def _binary_model(rhs: float, profit: tuple[float, float]):
