@@ -197,8 +197,9 @@ class StrategySpace:
     derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     """What the passes derive from the step's graph alone (its nodes, targets, edges and
     shapes, which nothing changes once the space is built; pins narrow only the strategy
-    lists), made once per space and kept here by name: passes/remat's storage map. A
-    space made by ``dataclasses.replace`` starts without any."""
+    lists), made once per space and kept here by name: passes/remat's storage map,
+    passes/order's dependencies (with the fx graph they were read from). A space made by
+    ``dataclasses.replace`` starts without any."""
 
     @functools.cached_property
     def in_sources(self) -> dict[str, list[tuple[str, int]]]:
