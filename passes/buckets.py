@@ -125,6 +125,7 @@ __all__ = [
     "bucket_measured",
     "bucket_reductions",
     "candidates",
+    "flat_bytes",
 ]
 
 BUDGET_ROUNDS = 8
@@ -278,7 +279,7 @@ def bucket_measured(
         out, done = _bucketed(plan, [f for f in found if f[0] not in alone], bucket_bytes, caps)
         if budget is None or not done:
             return out, None
-        flat = sum(step_bytes(b, plan.mesh)[0] for b in done)  # (padded, hierarchical)
+        flat = flat_bytes(out)
         if not (alone or caps) and solver_peak is not None and solver_peak + flat <= budget:
             return out, None
         report = simulate(space, out, optimizer)
@@ -299,6 +300,12 @@ def bucket_measured(
     if alone or caps:
         out.stats["bucket_budget"] = {"split": len(caps), "unbucketed": len(alone)}
     return out, report
+
+
+def flat_bytes(plan: Plan) -> int:
+    """The bytes of every bucket's flat input in ``plan`` (each bucket's first step moves
+    it whole: padded where a hierarchical bucket pads it, ``step_bytes``)."""
+    return sum(c["nbytes"] for c in plan.collectives if "bucket" in c and not c.get("step"))
 
 
 def _held_at_peak(plan: Plan, done: Sequence[Bucket], report: MemoryReport) -> list[Bucket]:

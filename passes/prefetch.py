@@ -65,6 +65,7 @@ from collections.abc import Collection, Sequence
 from autopar.core import Plan, StrategySpace, parse_placements, roles
 from autopar.core.schedule import edge_ends, purpose
 
+from .buckets import flat_bytes
 from .memory import MemoryReport, local_bytes, simulate
 from .order import ready_nodes
 from .solve import overlaps_collectives
@@ -192,7 +193,7 @@ def prefetch_measured(
             previous = position[dst]
     budget = plan.stats.get("memory_budget")
     consumer = {id(c): edge_ends(c["edge"])[1] for c in plan.collectives}
-    bound = _held_bound(plan, early, _moved_bytes(space, plan, moved))
+    bound = None if budget is None else _held_bound(plan, early, _moved_bytes(space, plan, moved))
     for _ in range(BUDGET_ROUNDS):
         if not early:
             return plan, None
@@ -235,7 +236,7 @@ def _held_bound(plan: Plan, early: Collection[int], kept: int) -> int | None:
     solver = plan.stats.get("peak_bytes")
     if solver is None:
         return None
-    flat = sum(c["nbytes"] for c in plan.collectives if "bucket" in c and not c.get("step"))
+    flat = flat_bytes(plan)
     ahead = sum(c["nbytes"] for c in plan.collectives if id(c) in early)
     return int(solver) + flat + ahead + kept
 
