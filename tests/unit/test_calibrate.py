@@ -15,6 +15,7 @@ from autopar.calibrate import (
     KINDS,
     _profiled_ops,
     fit_link,
+    host_table,
     kind_scales,
     link_errors,
     measure_host_ops,
@@ -291,6 +292,21 @@ def test_an_op_is_the_calls_that_ran_it_in_one_profile_of_the_calls_in_turn():
     )
     assert {k: len(v) for k, v in first.items()} == {"aten::mm": 5, "aten::add": 5}
     assert {k: len(v) for k, v in second.items()} == {"aten::add": 5}
+
+
+def test_the_host_table_prices_an_op_at_its_calls_mean_slow_calls_included():
+    us = 1e-6
+    # an mm whose every fourth call is slow (an allocation): a step pays 20 us a call, not
+    # the 10 of most calls; the chain's add under the profiler, 4 us, is taken off each
+    mm = [10 * us, 10 * us, 10 * us, 50 * us] * 5
+    steps = [{"aten::mm": mm[:10], "aten::t": [3 * us] * 10}, {"aten::mm": mm[10:]}]
+    adds, views = [4 * us] * 20, [2 * us] * 20
+    table = host_table(steps, adds, views, {"aten::mm"}, step_op=8 * us, view_op=1 * us)
+    assert table["aten::mm"] == pytest.approx((8 + 20 - 4) * us)
+    assert table["aten::t"] == pytest.approx((1 + 3 - 2) * us)  # a view: a view's base
+    # never under half the call of its kind
+    table = host_table([{"aten::mm": [1 * us] * 5}], adds, views, {"aten::mm"}, 4 * us, 1 * us)
+    assert table["aten::mm"] == pytest.approx(2 * us)
 
 
 def test_the_host_time_of_each_op_of_a_step_is_measured_apart_from_an_add():
