@@ -69,7 +69,8 @@ SGD with momentum one, none zero; constant over the step).
 
 Layout: ``arena_bytes`` places every storage (and collective buffer) at an offset of one
 arena per rank (passes/layout) in the order the step runs; the peak counts no
-fragmentation, the arena does.
+fragmentation, the arena does. The solver's own measurements of its plans (passes/solve,
+which reads their peaks alone) are not laid out (``layout=False``: ``arena_bytes`` 0).
 
 What it leaves out: the allocator's rounding and fragmentation, and kernels' own workspace.
 Where it can be off: the emitted step runs aot_autograd's partitioned forward and backward
@@ -234,7 +235,8 @@ class MemoryReport:
         recompute: the fold groups checkpointed (passes/remat).
         arena_bytes: one arena holding every storage of the step at an offset of its own
             (passes/layout), plus the optimizer state: at least ``peak_bytes``; the rest
-            is what a static layout loses to fragmentation.
+            is what a static layout loses to fragmentation. 0 where not laid out
+            (``measure``'s ``layout``).
     """
 
     peak_bytes: int
@@ -464,9 +466,12 @@ def measure(
     in_ps: InPlacement,
     optimizer: str = "adamw",
     recompute: Collection[str] = (),
+    layout: bool = True,
 ) -> MemoryReport:
     """Size ``lv``'s storages under the placements ``out_ps`` / ``in_ps``, with the fold
-    groups ``recompute`` checkpointed, and sweep over the step (module docstring)."""
+    groups ``recompute`` checkpointed, and sweep over the step (module docstring); with
+    ``layout``, lay them out in one arena too (``arena_bytes``; linear in the step's
+    storages, as the sweep)."""
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer {optimizer!r}: one of {sorted(OPTIMIZERS)}")
     space = lv.space
@@ -544,9 +549,9 @@ def measure(
     by_category["optimizer_state"] = [opt] * len(shown)
     totals = [sum(by_category[c][k] for c in CATEGORIES) for k in range(len(shown))]
     peak = max(range(len(shown)), key=lambda k: totals[k])
-    _, arena_bytes = arena(blocks)
+    arena_bytes = arena(blocks)[1] + opt if layout else 0
     return MemoryReport(
-        arena_bytes=arena_bytes + opt,
+        arena_bytes=arena_bytes,
         peak_bytes=totals[peak],
         peak_node=lv.point_name(shown[peak]),
         at_peak={c: by_category[c][peak] for c in CATEGORIES},

@@ -189,24 +189,22 @@ def _dependencies(
     return preds
 
 
-class _Problem:
-    """The step as sets of nodes: positions, dependencies, storages (module docstring)."""
+class _Graph:
+    """What ``_Problem`` reads of the step that no plan changes: positions, dependencies,
+    storages, who makes and who reads each. Made once per space and graph
+    (``StrategySpace.derived``, as ``_dependencies``), and read only."""
 
-    def __init__(self, space: StrategySpace, gm: torch.fx.GraphModule, plan: Plan):
-        self.space = space
-        mesh_shape = tuple(space.mesh.shape)
+    def __init__(self, space: StrategySpace, gm: torch.fx.GraphModule):
         order = [n for n in space.order if space.targets[n] != "placeholder"]
         self.placeholders = [n for n in space.order if space.targets[n] == "placeholder"]
         self.names = order
         self.backward = [space.roles[name] == roles.BACKWARD for name in order]
         pos = {n: i for i, n in enumerate(order)}
         n = len(order)
-        out_ps, in_ps = plan_placements(plan)
-
         self.preds = _dependencies(space, gm, order, pos)
-
         storage_of = storage_map(space)
-        self.size: dict[tuple, int] = {}
+        # each storage: its key (owner, output), shape, dtype, counted (not an alias)
+        self.storages: list[tuple[tuple, tuple, torch.dtype, bool]] = []
         self.pinned: set[tuple] = set()
         self.tangents: set[tuple] = set()
         readers: dict[tuple, set[int]] = {}
@@ -215,10 +213,7 @@ class _Problem:
             if key != (node, idx):
                 continue
             shape, dtype = space.tensor(node, idx)
-            counted = node not in space.aliases
-            self.size[key] = (
-                local_bytes(shape, dtype, out_ps(node, idx), mesh_shape) if counted else 0
-            )
+            self.storages.append((key, tuple(shape), dtype, node not in space.aliases))
             readers[key] = set()
             if node in pos:
                 self.makes[pos[node]].append(key)
@@ -230,46 +225,89 @@ class _Problem:
             out = storage_of.get((sink.src, sink.src_out))
             if out is not None:
                 self.pinned.add(out)
-        self.transient = [0] * n
+        # each node's tensor inputs: (input index, source, output), for its reshards
+        self.inputs: list[list[tuple[int, str, int]]] = [[] for _ in range(n)]
         for name in order:
             i = pos[name]
             for j, (src, so) in enumerate(space.in_sources[name]):
                 read = storage_of.get((src, so))
                 if read is not None:
                     readers[read].add(i)
-                q = in_ps(name, j)
-                p = out_ps(src, so)
-                if q is not None and p is not None and tuple(p) != tuple(q):
-                    shape, dtype = space.tensor(src, so)
-                    self.transient[i] += local_bytes(shape, dtype, q, mesh_shape)
-        # nodes that change no live byte (views, getitem, ...): placed, not searched
-        self.new = [0] * n
+                self.inputs[i].append((j, src, so))
+        self.reads: list[list[tuple]] = [[] for _ in range(n)]
+        self.readers_all: dict[tuple, int] = {}
+        for key, rs in readers.items():
+            m = 0
+            for r in rs:
+                m |= 1 << r
+                self.reads[r].append(key)
+            self.readers_all[key] = m
+        self.touch = [list(dict.fromkeys(self.reads[i] + self.makes[i])) for i in range(n)]
+        self.tangent_reads = [[k for k in self.reads[i] if k in self.tangents] for i in range(n)]
+        self.mutates = [mutates_or_draws(space.targets[name]) for name in order]
+        self.outside = {key for key in self.pinned if key[0] not in pos}  # (held from the start)
+
+    @staticmethod
+    def of(space: StrategySpace, gm: torch.fx.GraphModule) -> _Graph:
+        made = space.derived.get("order_graph")
+        if made is None or made[0] is not gm:
+            made = (gm, _Graph(space, gm))
+            space.derived["order_graph"] = made
+        return made[1]
+
+
+class _Problem:
+    """The step as sets of nodes under a plan: the step's ``_Graph`` with each storage's
+    size and each node's reshard buffers under the plan's placements (module docstring)."""
+
+    def __init__(self, space: StrategySpace, gm: torch.fx.GraphModule, plan: Plan):
+        g = _Graph.of(space, gm)
+        self.space, self.graph = space, g
+        self.placeholders, self.names, self.backward = g.placeholders, g.names, g.backward
+        self.preds, self.makes, self.reads, self.touch = g.preds, g.makes, g.reads, g.touch
+        self.pinned, self.tangents, self.tangent_reads = g.pinned, g.tangents, g.tangent_reads
+        self.readers_all = g.readers_all
+        mesh_shape = tuple(space.mesh.shape)
+        n = len(g.names)
+        out_ps, in_ps = plan_placements(plan)
+        # (plan_placements gives one tuple per placement text: sized once per tensor shape)
+        sized: dict[tuple, int] = {}
+
+        def nbytes(shape, dtype, ps) -> int:
+            k = (shape, dtype, id(ps))
+            if k not in sized:
+                sized[k] = local_bytes(shape, dtype, ps, mesh_shape)
+            return sized[k]
+
+        self.size: dict[tuple, int] = {
+            key: nbytes(shape, dtype, out_ps(*key)) if counted else 0
+            for key, shape, dtype, counted in g.storages
+        }
+        self.transient = [0] * n
         for i in range(n):
-            self.new[i] = sum(self.size[k] for k in self.makes[i])
+            for j, src, so in g.inputs[i]:
+                q = in_ps(g.names[i], j)
+                if q is None:
+                    continue
+                p = out_ps(src, so)
+                if p is not None and p is not q and tuple(p) != tuple(q):
+                    shape, dtype = space.tensor(src, so)
+                    self.transient[i] += nbytes(tuple(shape), dtype, q)
+        # nodes that change no live byte (views, getitem, ...): placed, not searched
+        self.new = [sum(self.size[k] for k in g.makes[i]) for i in range(n)]
         self.neutral = [
-            self.new[i] == 0
-            and self.transient[i] == 0
-            and not mutates_or_draws(space.targets[order[i]])
-            for i in range(n)
+            self.new[i] == 0 and self.transient[i] == 0 and not g.mutates[i] for i in range(n)
         ]
         # who reads each storage: every node (the step as it runs), and the searched nodes
         # only (the search, where a neutral node runs just before its first searched reader)
-        self.reads: list[list[tuple]] = [[] for _ in range(n)]
-        self.readers_all: dict[tuple, int] = {}
-        self.readers_searched: dict[tuple, int] = {}
-        for key, rs in readers.items():
-            m = s = 0
-            for r in rs:
-                m |= 1 << r
-                if not self.neutral[r]:
-                    s |= 1 << r
-                self.reads[r].append(key)
-            self.readers_all[key] = m
-            self.readers_searched[key] = s
-        self.touch = [list(dict.fromkeys(self.reads[i] + self.makes[i])) for i in range(n)]
+        searched = 0
+        for i in range(n):
+            if not self.neutral[i]:
+                searched |= 1 << i
+        self.searched_mask = searched
+        self.readers_searched = {key: m & searched for key, m in g.readers_all.items()}
         # the bytes live before the first node: what the parameters and inputs hold
-        self.base = sum(self.size[key] for key in self.pinned if key[0] not in pos)
-        self.tangent_reads = [[k for k in self.reads[i] if k in self.tangents] for i in range(n)]
+        self.base = sum(self.size[key] for key in g.outside)
 
     # -- the model ---------------------------------------------------------------------
 
@@ -322,6 +360,18 @@ class _Units:
 
 
 def _units(p: _Problem) -> _Units:
+    """The units of ``p`` (module docstring). They depend on the plan only through which
+    nodes are neutral: the last plan's are kept (``StrategySpace.derived``), for the next
+    plan of the step with the same neutral nodes (an overlap round's), and read only."""
+    made = p.space.derived.get("order_units")
+    if made is not None and made[0] is p.graph and made[1] == p.searched_mask:
+        return made[2]
+    units = _make_units(p)
+    p.space.derived["order_units"] = (p.graph, p.searched_mask, units)
+    return units
+
+
+def _make_units(p: _Problem) -> _Units:
     n = len(p.names)
     users: list[list[int]] = [[] for _ in range(n)]
     for i in range(n):
@@ -334,7 +384,7 @@ def _units(p: _Problem) -> _Units:
     for i in range(n):
         source[i] = (
             not p.neutral[i]
-            and not mutates_or_draws(p.space.targets[p.names[i]])
+            and not p.graph.mutates[i]
             and all(k in p.pinned for k in p.reads[i])
             and all(p.neutral[a] or source[a] for a in p.preds[i])
         )

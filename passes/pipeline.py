@@ -36,7 +36,8 @@ to ``stats``. The pipeline of docs/architecture.md, as entries:
 Where the solver's overlap rounds judged the solution the plan is (``_emitted``, on
 CUDA), the four report stages take what the rounds made of it (the order, the bucketed
 and the prefetched plan, the memory report; ``state["assessed"]``) instead of making it
-again; the order stage still measures the traced order's peak. A round's memory report is
+again; the order stage takes the traced order's peak from the solver's measurement of its
+plan (``stats["peak_bytes"]``: the same step). A round's memory report is
 the one the buckets' or prefetch's budget check measured of the same plan, where one did;
 else the memory stage measures the kept round's plan (a round's step length needs none:
 core/schedule runs the plan's order with its checkpointed layers' copies).
@@ -382,10 +383,15 @@ def _order(state: dict) -> Ordering:
         ordering = order_step(state["strategies"], state["trace"].gm, plan)
     if ordering.changed:  # the plan the later stages read, and the caller takes
         state["plan"] = dataclasses.replace(plan, order=tuple(ordering.order))
-    # the traced order's peak as passes/memory measures it (optimizer state, the return)
-    ordering.traced_step_peak = simulate(
-        state["strategies"], plan, optimizer=state["options"].optimizer
-    ).peak_bytes
+    # the traced order's peak as passes/memory measures it (optimizer state, the return):
+    # the solver's measurement of the plan it chose is of that step (the traced order, its
+    # checkpointed layers' copies, no bucket, no prefetch; passes/solve), else measured
+    solver = plan.stats.get("peak_bytes")
+    ordering.traced_step_peak = (
+        solver
+        if solver is not None
+        else simulate(state["strategies"], plan, optimizer=state["options"].optimizer).peak_bytes
+    )
     return ordering
 
 

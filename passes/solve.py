@@ -1093,7 +1093,8 @@ class IlpBuilder:
         self.cuts.append(i)
 
     def evaluate(self, lv: Liveness) -> MemoryReport:
-        """The step memory (passes/memory) of the strategies the solver set."""
+        """The step memory (passes/memory) of the strategies the solver set: its peak and
+        timeline, not laid out (the rounds read the peak alone)."""
         choice = self.choice()
         strats = self.space.strategies
         return measure(
@@ -1102,6 +1103,7 @@ class IlpBuilder:
             lambda n, j: strats[n][choice[n]].ins[j],
             self.optimizer,
             self.recomputed(),
+            layout=False,
         )
 
     def objective(self, coef: dict | None = None) -> None:

@@ -198,8 +198,9 @@ class StrategySpace:
     """What the passes derive from the step's graph alone (its nodes, targets, edges and
     shapes, which nothing changes once the space is built; pins narrow only the strategy
     lists), made once per space and kept here by name: passes/remat's storage map,
-    passes/order's dependencies (with the fx graph they were read from). A space made by
-    ``dataclasses.replace`` starts without any."""
+    passes/order's dependencies and storage graph (with the fx graph they were read from),
+    and the units of the last plan it ordered (with the nodes that were neutral in it). A
+    space made by ``dataclasses.replace`` starts without any."""
 
     @functools.cached_property
     def in_sources(self) -> dict[str, list[tuple[str, int]]]:

@@ -97,6 +97,9 @@ def test_the_order_lowers_the_measured_peak_and_computes_the_same_bits():
     space = build_strategies(step, ONE)
     assert simulate(space, plan, optimizer="none").peak_bytes == peak_ordered
     assert plan.memory["step"]["peak_bytes"] < plan.stats["traced_peak_bytes"]
+    # the traced order's peak, taken from the solver's measurement: that step's, measured
+    traced = simulate(space, dataclasses.replace(plan, order=()), optimizer="adamw")
+    assert plan.stats["traced_peak_bytes"] == traced.peak_bytes
 
 
 def test_a_gradients_view_runs_right_after_what_it_views():

@@ -131,6 +131,8 @@ def test_checkpointed_step_computes_the_same_and_peaks_as_predicted(name, fracti
     step, space = _space(model, inputs, loss_fn, targets)
     report = simulate(space, plan, optimizer="none")
     assert report.peak_bytes <= plan.stats["memory_budget"]
+    # a checkpointed step runs in traced order: the order stage's traced peak is its peak
+    assert plan.stats["traced_peak_bytes"] == report.peak_bytes
     gm, copy_of = remat.checkpointed(step.gm, plan.recompute)
     assert len(copy_of) == sum(len(r.nodes) for r in plan.recompute)
     gm.graph.eliminate_dead_code()  # as codegen: an original nothing reads any more goes
