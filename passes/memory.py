@@ -83,6 +83,7 @@ stored (float32) parameters.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import defaultdict
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -482,17 +483,29 @@ def measure(
     opt = 0
     param_set = set(lv.params)
     blocks: list[tuple[int, int, int]] = []  # (first, last, size): passes/layout
+    # a deep step's layers share their placement objects (a fold group's strategies, a
+    # plan's parsed texts): each shape is sized once per placement object
+    sized: dict[tuple, int] = {}
+
+    def nbytes(shape, dtype, ps) -> int:
+        k = (shape, dtype, id(ps))
+        got = sized.get(k)
+        if got is None:
+            got = sized[k] = local_bytes(shape, dtype, ps, mesh_shape)
+        return got
+
     for s in lv.storages:
         if not s.counts(recompute):
             continue
-        size = s.nbytes(out_ps(s.owner, s.out), mesh_shape)
+        ps = out_ps(s.owner, s.out)
+        size = nbytes(s.shape, s.dtype, ps) if s.counted else 0
         blocks.append((s.first, min(s.last, n - 1), size))
         d = delta[s.category]
         d[s.first] += size
         if s.last + 1 <= n:
             d[s.last + 1] -= size
         if s.owner in param_set:
-            opt += optimizer_bytes(s, out_ps(s.owner, s.out), mesh_shape, optimizer)
+            opt += optimizer_bytes(s, ps, mesh_shape, optimizer)
     for src, so, target, category in output_redistributions(lv, out_ps):
         shape, dtype = space.tensor(src, so)
         size = local_bytes(shape, dtype, target, mesh_shape)
@@ -528,10 +541,10 @@ def measure(
             if q is None:
                 continue
             p = out_ps(src, so)
-            if p is None or tuple(p) == tuple(q):
+            if p is None or p is q or tuple(p) == tuple(q):
                 continue
             shape, dtype = space.tensor(src, so)
-            size = local_bytes(shape, dtype, q, mesh_shape)
+            size = nbytes(tuple(shape), dtype, q)
             first = i
             if lv.order[i] == name:  # (not a copy) issued ahead: held from its issue on
                 first = min(i, lv.prefetched.get((src, name), i - 1) + 1)
@@ -539,15 +552,13 @@ def measure(
             buffers[i + 1] -= size
             blocks.append((first, i, size))
     shown = [i for i in range(n) if lv.shown(i, recompute)]
+    every = len(shown) == n
     by_category: dict[str, list[int]] = {}
     for c in CATEGORIES:
-        acc, out = 0, []
-        for i in range(n):
-            acc += delta[c][i]
-            out.append(acc)
-        by_category[c] = [out[i] for i in shown]
+        out = list(itertools.accumulate(delta[c][:n]))
+        by_category[c] = out if every else [out[i] for i in shown]
     by_category["optimizer_state"] = [opt] * len(shown)
-    totals = [sum(by_category[c][k] for c in CATEGORIES) for k in range(len(shown))]
+    totals = list(map(sum, zip(*(by_category[c] for c in CATEGORIES))))
     peak = max(range(len(shown)), key=lambda k: totals[k])
     arena_bytes = arena(blocks)[1] + opt if layout else 0
     return MemoryReport(
