@@ -582,7 +582,6 @@ def order_step(
         segments += _segments(mine, units.preds)
     if sum(map(len, segments)) != len(units.heads):
         raise AssertionError("order: a node neither forward nor backward")
-    bound = _shared_points(p, segments, units)
     # a segment larger than a window is ordered a window of traced units at a time (each
     # window's nodes are closed under dependencies with everything traced before it)
     # (a segment of one unit is a key point: the set before it is fixed)
@@ -596,11 +595,19 @@ def order_step(
     starts: list[tuple[int, int]] = []
     heap: list[tuple[int, int]] = []
     done, live = 0, p.base
+    # "Bound": the bytes at the points every order running the forward first shares, under
+    # the search's model (a key point: the same set of nodes runs before it; the whole
+    # forward, held into the backward), read off the same run of the segments
+    bound = 0
     for k, seg in enumerate(segments):
         starts.append((done, live))
         seqs.append(seg)
         peak_k, done, live = _run_units(p, seg, units, done, live)
         heapq.heappush(heap, (-peak_k, k))
+        if cut[k][2]:  # (a window of one unit of a longer segment is no key point)
+            bound = max(bound, peak_k)
+        if k + 1 < len(segments) and not p.backward[seg[-1]] and p.backward[segments[k + 1][0]]:
+            bound = max(bound, live)
     searched: dict[int, bool] = {}  # segment -> searched exactly
     optimal = False  # the segment at the peak has no order of a lower peak ("Bound")
     while heap:
@@ -640,7 +647,8 @@ def order_step(
     full = _topological(full, p.preds)
     if len(full) != n or any(p.backward[a] and not p.backward[b] for a, b in zip(full, full[1:])):
         raise AssertionError("order: a node out of its part")
-    peak, _, _ = p.peak_of(full, 0, p.base, searched=False)
+    # (the traced order again, where no searched segment moved a node: its peak is known)
+    peak = traced_peak if full == traced else p.peak_of(full, 0, p.base, searched=False)[0]
     if peak >= traced_peak:
         full, peak = traced, traced_peak
     moved = sum(1 for k, v in enumerate(full) if k != v)
@@ -655,19 +663,6 @@ def order_step(
         "optimal": optimal,
     }
     return Ordering(p.placeholders + [p.names[i] for i in full], traced_peak, peak, stats)
-
-
-def _shared_points(p: _Problem, segments: list[list[int]], units: _Units) -> int:
-    """A lower bound on the peak of every order of the step that runs its forward first
-    ("Bound"): the bytes at the points all such orders share, under the search's model."""
-    bound, done, live = 0, 0, p.base
-    for k, seg in enumerate(segments):
-        peak_k, done, live = _run_units(p, seg, units, done, live)
-        if len(seg) == 1:  # a key point: the same set of nodes runs before it
-            bound = max(bound, peak_k)
-        if k + 1 < len(segments) and not p.backward[seg[-1]] and p.backward[segments[k + 1][0]]:
-            bound = max(bound, live)  # the whole forward, held into the backward
-    return bound
 
 
 def _topological(seq: list[int], preds: list[list[int]]) -> list[int]:
