@@ -737,6 +737,9 @@ class IlpBuilder:
         # a solution kept by ``hold`` (variable index -> value; objective, best bound),
         # read in place of the solver's until the next solve
         self.held: tuple[list[float], float, float] | None = None
+        # variable -> its index (OR-Tools' ``index()`` is a wrapped call, ten times a dict
+        # lookup: a held solution is read by index hundreds of thousands of times a plan)
+        self._index: dict[Any, int] = {}
         self.lv: Liveness | None = None  # the liveness the memory cuts are made on
         self.rounds: list[float] = []  # each overlap round's step, seconds ("Overlap")
 
@@ -1136,12 +1139,12 @@ class IlpBuilder:
 
         # the choice variables rounded (the solver's tolerance leaves 1e-7 on a continuous
         # e; the plan is the rounded choice); a checkpointed group's time t as it is
-        times = {t.index() for _, t, _, _ in self.remat.values()}
+        times = {t for _, t, _, _ in self.remat.values()}
 
         def value(part: dict) -> float:
             return (
                 sum(
-                    c * (self.value(v) if v.index() in times else round(self.value(v)))
+                    c * (self.value(v) if v in times else round(self.value(v)))
                     for v, c in part.items()
                 )
                 / _SCALE
@@ -1171,7 +1174,10 @@ class IlpBuilder:
         if self.held is None:
             return v.solution_value()
         values = self.held[0]
-        return values[v.index()] if v.index() < len(values) else 0.0
+        i = self._index.get(v)
+        if i is None:
+            i = self._index[v] = v.index()
+        return values[i] if i < len(values) else 0.0
 
     def objective_value(self) -> tuple[float, float]:
         """The solution's objective and the solver's best bound, in the objective's units."""
