@@ -37,6 +37,7 @@ still counts the cost of each instance and of each edge between them.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import time
 from collections import Counter, defaultdict
@@ -200,6 +201,11 @@ def _shape_key(v):
     return type(v).__name__
 
 
+@functools.cache
+def _target_text(target) -> str:
+    return str(target)
+
+
 def _canonical(
     members: list[torch.fx.Node],
     out_kind: dict[str, list],
@@ -209,14 +215,17 @@ def _canonical(
 
     Nodes in ``attached`` (joined by their neighbours, not by a module path) are marked."""
     local = {n.name: i for i, n in enumerate(members)}
+    Node = torch.fx.Node
 
     def form_of(a):
-        if isinstance(a, torch.fx.Node):
-            if a.name in local:
-                return ("in", local[a.name])
+        kind = type(a)
+        if kind is Node or isinstance(a, Node):
+            at = local.get(a.name)
+            if at is not None:
+                return ("in", at)
             return ("ext", _shape_key(a.meta.get("val")))
-        if isinstance(a, (list, tuple)):
-            return (type(a).__name__,) + tuple(form_of(b) for b in a)
+        if kind is tuple or kind is list or isinstance(a, (list, tuple)):
+            return (kind.__name__, *map(form_of, a))
         if isinstance(a, dict):
             return ("dict",) + tuple((k, form_of(v)) for k, v in a.items())
         return repr(a)
@@ -228,7 +237,7 @@ def _canonical(
             head = ("placeholder", n.meta.get(roles.META_ROLE, ""))
             args = ()
         else:
-            head = (str(n.target), n.meta.get(roles.META_ROLE, ""))
+            head = (_target_text(n.target), n.meta.get(roles.META_ROLE, ""))
             args = (form_of(n.args), form_of(n.kwargs))
         outs = tuple(
             ("grad", local.get(like, "ext")) if like else ("plain",)
