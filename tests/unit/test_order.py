@@ -128,7 +128,8 @@ def test_the_order_is_deterministic_and_round_trips_through_json():
 
 
 def test_what_the_order_derives_from_the_graph_is_made_once_per_space_and_graph():
-    """The storage map and the order's dependencies are the same for every plan of a step:
+    """The storage map, the order's dependencies and storage graph are the same for every
+    plan of a step (and its units for plans with the same neutral nodes):
     kept on the space (``StrategySpace.derived``) and read by each plan the overlap rounds
     judge; a space made by ``dataclasses.replace`` makes its own, and another graph its
     dependencies."""
@@ -137,9 +138,13 @@ def test_what_the_order_derives_from_the_graph_is_made_once_per_space_and_graph(
     first = order.order_step(space, step.gm, plan)
     made, kept = space.derived["order_dependencies"]
     assert made is step.gm
+    graph, units = space.derived["order_graph"][1], space.derived["order_units"][2]
     again = order.order_step(space, step.gm, plan)
     assert again.order == first.order == list(plan.order)
     assert space.derived["order_dependencies"][1] is kept
+    # the storage graph, and the units of a plan with the same neutral nodes, kept too
+    assert space.derived["order_graph"][1] is graph
+    assert space.derived["order_units"][2] is units
     assert storage_map(space) is storage_map(space)
     other = dataclasses.replace(space, order=list(space.order))
     assert other.derived == {}
@@ -147,6 +152,7 @@ def test_what_the_order_derives_from_the_graph_is_made_once_per_space_and_graph(
     copied = copy.deepcopy(step.gm)
     assert order.order_step(space, copied, plan).order == first.order
     assert space.derived["order_dependencies"][0] is copied
+    assert space.derived["order_graph"][0] is copied
 
 
 def test_skipping_the_stage_keeps_the_traced_order():
