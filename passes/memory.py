@@ -484,15 +484,16 @@ def measure(
     param_set = set(lv.params)
     blocks: list[tuple[int, int, int]] = []  # (first, last, size): passes/layout
     # a deep step's layers share their placement objects (a fold group's strategies, a
-    # plan's parsed texts): each shape is sized once per placement object
-    sized: dict[tuple, int] = {}
+    # plan's parsed texts): each shape is sized once per placement object (kept beside
+    # its size, so that its id names it until the end)
+    sized: dict[tuple, tuple] = {}
 
     def nbytes(shape, dtype, ps) -> int:
         k = (shape, dtype, id(ps))
         got = sized.get(k)
         if got is None:
-            got = sized[k] = local_bytes(shape, dtype, ps, mesh_shape)
-        return got
+            got = sized[k] = (ps, local_bytes(shape, dtype, ps, mesh_shape))
+        return got[1]
 
     for s in lv.storages:
         if not s.counts(recompute):

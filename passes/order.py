@@ -270,14 +270,16 @@ class _Problem:
         mesh_shape = tuple(space.mesh.shape)
         n = len(g.names)
         out_ps, in_ps = plan_placements(plan)
-        # (plan_placements gives one tuple per placement text: sized once per tensor shape)
-        sized: dict[tuple, int] = {}
+        # (plan_placements gives one tuple per placement text: sized once per tensor shape;
+        # the tuple kept beside its size, so that its id names it until the end)
+        sized: dict[tuple, tuple] = {}
 
         def nbytes(shape, dtype, ps) -> int:
             k = (shape, dtype, id(ps))
-            if k not in sized:
-                sized[k] = local_bytes(shape, dtype, ps, mesh_shape)
-            return sized[k]
+            got = sized.get(k)
+            if got is None:
+                got = sized[k] = (ps, local_bytes(shape, dtype, ps, mesh_shape))
+            return got[1]
 
         self.size: dict[tuple, int] = {
             key: nbytes(shape, dtype, out_ps(*key)) if counted else 0

@@ -81,10 +81,10 @@ def test_simulated_peak_is_the_measured_peak_on_one_device(name, mp_policy):
     assert max(total for _, total in report.timeline) == report.peak_bytes
 
 
-def test_sharded_parameters_and_adamw_state_are_the_local_shards():
-    # (the accounting is the device's bytes alone: the CPU profile's budget-bound plan of
-    # the gpt example on (2, 2), read from its golden file, which test_golden_plans checks
-    # is the plan the search makes, as the search would take 30 s here)
+def _golden_gpt_2x2():
+    """The CPU profile's budget-bound plan of the gpt example on (2, 2), read from its
+    golden file (which test_golden_plans checks is the plan the search makes, as the search
+    would take 30 s here), the step's space and the model (on meta)."""
     mesh = autopar.Mesh((2, 2), ("dp", "tp"), device="cpu")
     golden = Path(__file__).resolve().parent.parent / "golden" / "gpt-2x2-cpu-mem0.5.json.gz"
     plan = autopar.Plan.from_json(gzip.decompress(golden.read_bytes()).decode())
@@ -100,7 +100,12 @@ def test_sharded_parameters_and_adamw_state_are_the_local_shards():
             stack=stack,
         )
     assert step.fingerprint() == plan.fingerprint
-    space = build_strategies(step, mesh, folded=fold_regions(step))
+    return plan, build_strategies(step, mesh, folded=fold_regions(step)), model, mesh
+
+
+def test_sharded_parameters_and_adamw_state_are_the_local_shards():
+    # (the accounting is the device's bytes alone)
+    plan, space, model, mesh = _golden_gpt_2x2()
     report = simulate(space, plan, optimizer="adamw")
     named = dict(model.named_parameters())
     local = {
@@ -130,3 +135,26 @@ def test_sharded_parameters_and_adamw_state_are_the_local_shards():
     assert sgd.peak_bytes < report.peak_bytes
     with pytest.raises(ValueError, match="optimizer 'lion'"):
         simulate(space, plan, optimizer="lion")
+
+
+def test_placements_made_afresh_at_each_call_are_sized_as_their_own(monkeypatch):
+    """``measure`` sizes each shape once per placement object (a deep step's layers share
+    them): placements made afresh at every call, each freed before the next (whose id may
+    then be the freed one's), are each sized as they are."""
+    from autopar.passes import memory
+
+    plan, space, _, _ = _golden_gpt_2x2()
+    want = simulate(space, plan, optimizer="adamw")
+    kept = memory.plan_placements
+
+    def afresh(plan):
+        out_ps, in_ps = kept(plan)
+
+        def copy(ps):
+            return None if ps is None else tuple(list(ps))
+
+        return (lambda n, o: copy(out_ps(n, o))), (lambda n, j: copy(in_ps(n, j)))
+
+    monkeypatch.setattr(memory, "plan_placements", afresh)
+    got = simulate(space, plan, optimizer="adamw")
+    assert got.by_category == want.by_category and got.peak_bytes == want.peak_bytes
