@@ -57,10 +57,12 @@ What is measured, each after warm-up:
                         small GPT's and (with transformers) a small Llama's training steps
                         (float32 and bf16 mixed precision) under torch's profiler, less an
                         add's time under it (the chain's, in the same profile), plus the
-                        chain's (``host_op_costs``, ``measure_host_ops``: a matmul's call
-                        costs about two adds', an attention's twenty or more); the table
-                        moves by 10-20% from one measurement to the next on an H200's
-                        host; then two chains of
+                        chain's, each the mean of its calls (``host_table``: a step pays
+                        its slow calls too) (``host_op_costs``, ``measure_host_ops``: a
+                        matmul's call costs about two adds', an attention's twenty or
+                        more); the table moves by 10-20% from one measurement to the next
+                        on an H200's host, and a host-bound step's time by as much from
+                        one run to the next; then two chains of
                         tiny layers compiled by autopar and timed as a training loop steps
                         them (on the CPU on N ranks side by side, the mean step, as
                         ``median_of_means``: ranks beside each other take each other's
@@ -78,7 +80,8 @@ What is measured, each after warm-up:
                         ``kernel_launch``, it priced a zoo MLP's step of tiny kernels at
                         1.4-1.5 times its time)
 
-The kernel curves and the per-op and per-view costs are medians of calls timed in rounds
+The kernel curves and the per-op and per-view costs (not the host's table per op, above)
+are medians of calls timed in rounds
 (each curve's points taken in turn, ``_spread_medians``) spread over a second or two: a
 VM's speed drifts by 20-30% over seconds, and a curve timed point after point came out
 shifted by it. The launch cost and the memory bandwidth are medians of calls timed one
