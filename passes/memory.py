@@ -139,6 +139,23 @@ def local_bytes(shape, dtype: torch.dtype, ps: Placements | None, mesh_shape) ->
     return math.prod(shape) * dtype.itemsize
 
 
+def sizer(mesh_shape) -> Callable[[tuple, torch.dtype, Placements | None], int]:
+    """``local_bytes`` on ``mesh_shape``, each shape sized once per placements object: a
+    deep step's layers share theirs (a fold group's strategies, a plan's parsed texts).
+    Each object is kept beside its size, so that its id names it as long as the sizer
+    lives (one made afresh at each call and freed would hand its id to the next)."""
+    sized: dict[tuple, tuple] = {}
+
+    def nbytes(shape: tuple, dtype: torch.dtype, ps: Placements | None) -> int:
+        k = (shape, dtype, id(ps))
+        got = sized.get(k)
+        if got is None:
+            got = sized[k] = (ps, local_bytes(shape, dtype, ps, mesh_shape))
+        return got[1]
+
+    return nbytes
+
+
 @dataclass(frozen=True, slots=True)
 class Storage:
     """One storage of the step: made by output ``out`` of node ``owner``, live from node
@@ -483,17 +500,7 @@ def measure(
     opt = 0
     param_set = set(lv.params)
     blocks: list[tuple[int, int, int]] = []  # (first, last, size): passes/layout
-    # a deep step's layers share their placement objects (a fold group's strategies, a
-    # plan's parsed texts): each shape is sized once per placement object (kept beside
-    # its size, so that its id names it until the end)
-    sized: dict[tuple, tuple] = {}
-
-    def nbytes(shape, dtype, ps) -> int:
-        k = (shape, dtype, id(ps))
-        got = sized.get(k)
-        if got is None:
-            got = sized[k] = (ps, local_bytes(shape, dtype, ps, mesh_shape))
-        return got[1]
+    nbytes = sizer(mesh_shape)
 
     for s in lv.storages:
         if not s.counts(recompute):

@@ -87,7 +87,7 @@ import torch
 
 from autopar.core import Plan, StrategySpace, roles
 
-from .memory import local_bytes, plan_placements
+from .memory import plan_placements, sizer
 from .remat import storage_map
 
 __all__ = ["Ordering", "apply", "mutates_or_draws", "order_step", "ready_nodes"]
@@ -270,16 +270,7 @@ class _Problem:
         mesh_shape = tuple(space.mesh.shape)
         n = len(g.names)
         out_ps, in_ps = plan_placements(plan)
-        # (plan_placements gives one tuple per placement text: sized once per tensor shape;
-        # the tuple kept beside its size, so that its id names it until the end)
-        sized: dict[tuple, tuple] = {}
-
-        def nbytes(shape, dtype, ps) -> int:
-            k = (shape, dtype, id(ps))
-            got = sized.get(k)
-            if got is None:
-                got = sized[k] = (ps, local_bytes(shape, dtype, ps, mesh_shape))
-            return got[1]
+        nbytes = sizer(mesh_shape)  # (plan_placements: one tuple per placement text)
 
         self.size: dict[tuple, int] = {
             key: nbytes(shape, dtype, out_ps(*key)) if counted else 0
