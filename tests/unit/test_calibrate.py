@@ -174,7 +174,11 @@ def test_a_curve_on_the_device_clock_leaves_out_the_hosts_call(monkeypatch):
     monkeypatch.setattr(calibrate, "_sync", gpu.sync)
     monkeypatch.setattr(calibrate, "_event", gpu.event)
     monkeypatch.setattr(calibrate, "LEAD", 8)
-    monkeypatch.setattr(torch, "mm", lambda a, b: gpu.queue(0.5e-3))  # a lead: 0.5 ms
+    # a lead of 5 ms: the leads queued ahead of a run (at least two) outlast the host's
+    # queueing of it by several ms, so a scheduler tick that takes the host away mid-run
+    # (a CI machine's other processes) leaves the run on the device's clock; at 0.5 ms a
+    # loaded 2-core machine spoiled most rounds (the small call came out at 53 us)
+    monkeypatch.setattr(torch, "mm", lambda a, b: gpu.queue(5e-3))
 
     def call(device_s):
         def fn():
