@@ -56,10 +56,14 @@ and a source node runs at its first reader: an order of the step's nodes frees n
 sooner and runs no source later, so its bytes at those points are at least these. Their
 maximum, ``stats["bound_bytes"]``, is at most the least peak any order running the
 forward first can reach; where it equals the traced order's peak, no order lowers the
-peak. Where the search ends at a key point, or at a segment it searched exactly without
-cutting it into windows, that segment's peak is the least any order can give it, and the
-step's peak is the largest segment peak: ``stats["optimal"]``, no order is lower under
-this model.
+peak, and the traced order is kept without a search (nor a run of the units' order):
+the zoo's transformers, whose peak is the whole forward held into the backward.
+live(forward) under the step's own model (every node a reader; a function of the set
+alone) bounds it as well: it is read off the run of the traced order that gives its peak
+(``_Problem.sweep``). Where the search ends at a key point, or at a segment it searched
+exactly without cutting it into windows, that segment's peak is the least any order can
+give it, and the step's peak is the largest segment peak: ``stats["optimal"]``, no order
+is lower under this model.
 
 Per segment: exact while a layer of the search holds at most ``beam`` sets; above, the
 ``beam`` sets of least (peak, live bytes) are kept (a beam search; ``Ordering.stats``
@@ -164,35 +168,10 @@ def ready_nodes(space: StrategySpace, fed: Collection[str] = ()) -> set[str]:
     return found
 
 
-def _dependencies(
-    space: StrategySpace, gm: torch.fx.GraphModule, order: list[str], pos: dict[str, int]
-) -> list[list[int]]:
-    """Per node of ``order`` (the step's nodes but its placeholders), the positions of the
-    nodes it must run after: its inputs in the fx graph (every input node, tensor or not),
-    and the op before it that draws random numbers or writes an input, where it does too.
-    The same for every plan of the step: made once per space and graph
-    (``StrategySpace.derived``), and read only."""
-    made = space.derived.get("order_dependencies")
-    if made is not None and made[0] is gm:
-        return made[1]
-    fx_nodes = {x.name: x for x in gm.graph.nodes}
-    preds: list[list[int]] = [[] for _ in order]
-    for name in order:
-        for a in fx_nodes[name].all_input_nodes:
-            if a.name in pos:
-                preds[pos[name]].append(pos[a.name])
-    # ops that draw random numbers or write an input keep their relative order
-    chained = [i for i, name in enumerate(order) if mutates_or_draws(space.targets[name])]
-    for a, b in zip(chained, chained[1:]):
-        preds[b].append(a)
-    space.derived["order_dependencies"] = (gm, preds)
-    return preds
-
-
 class _Graph:
     """What ``_Problem`` reads of the step that no plan changes: positions, dependencies,
     storages, who makes and who reads each. Made once per space and graph
-    (``StrategySpace.derived``, as ``_dependencies``), and read only."""
+    (``StrategySpace.derived``), and read only."""
 
     def __init__(self, space: StrategySpace, gm: torch.fx.GraphModule):
         order = [n for n in space.order if space.targets[n] != "placeholder"]
@@ -201,7 +180,17 @@ class _Graph:
         self.backward = [space.roles[name] == roles.BACKWARD for name in order]
         pos = {n: i for i, n in enumerate(order)}
         n = len(order)
-        self.preds = _dependencies(space, gm, order, pos)
+        # what each node must run after: its inputs in the fx graph (every input node,
+        # tensor or not), and the op before it that draws random numbers or writes an
+        # input, where it does too
+        fx_nodes = {x.name: x for x in gm.graph.nodes}
+        self.preds: list[list[int]] = [
+            [pos[a.name] for a in fx_nodes[name].all_input_nodes if a.name in pos] for name in order
+        ]
+        self.mutates = [mutates_or_draws(space.targets[name]) for name in order]
+        chained = [i for i, m in enumerate(self.mutates) if m]
+        for a, b in zip(chained, chained[1:]):
+            self.preds[b].append(a)
         storage_of = storage_map(space)
         # each storage: its key (owner, output), shape, dtype, counted (not an alias)
         self.storages: list[tuple[tuple, tuple, torch.dtype, bool]] = []
@@ -235,17 +224,20 @@ class _Graph:
                     readers[read].add(i)
                 self.inputs[i].append((j, src, so))
         self.reads: list[list[tuple]] = [[] for _ in range(n)]
-        self.readers_all: dict[tuple, int] = {}
+        self.readers: dict[tuple, list[int]] = {}
         for key, rs in readers.items():
-            m = 0
+            self.readers[key] = sorted(rs)
             for r in rs:
-                m |= 1 << r
                 self.reads[r].append(key)
-            self.readers_all[key] = m
+        self.reader_count = {key: len(rs) for key, rs in readers.items()}
         self.touch = [list(dict.fromkeys(self.reads[i] + self.makes[i])) for i in range(n)]
         self.tangent_reads = [[k for k in self.reads[i] if k in self.tangents] for i in range(n)]
-        self.mutates = [mutates_or_draws(space.targets[name]) for name in order]
         self.outside = {key for key in self.pinned if key[0] not in pos}  # (held from the start)
+        # the traced order runs the whole forward first, then the backward: its prefix of
+        # ``forward`` nodes is the set every order runs before the backward ("Bound")
+        self.forward = self.backward.index(True) if True in self.backward else n
+        if any(not b for b in self.backward[self.forward :]):
+            self.forward = -1  # (not so: no such prefix)
 
     @staticmethod
     def of(space: StrategySpace, gm: torch.fx.GraphModule) -> _Graph:
@@ -266,7 +258,6 @@ class _Problem:
         self.placeholders, self.names, self.backward = g.placeholders, g.names, g.backward
         self.preds, self.makes, self.reads, self.touch = g.preds, g.makes, g.reads, g.touch
         self.pinned, self.tangents, self.tangent_reads = g.pinned, g.tangents, g.tangent_reads
-        self.readers_all = g.readers_all
         mesh_shape = tuple(space.mesh.shape)
         n = len(g.names)
         out_ps, in_ps = plan_placements(plan)
@@ -286,28 +277,74 @@ class _Problem:
                 if p is not None and p is not q and tuple(p) != tuple(q):
                     shape, dtype = space.tensor(src, so)
                     self.transient[i] += nbytes(tuple(shape), dtype, q)
-        # nodes that change no live byte (views, getitem, ...): placed, not searched
         self.new = [sum(self.size[k] for k in g.makes[i]) for i in range(n)]
+        # the bytes live before the first node: what the parameters and inputs hold
+        self.base = sum(self.size[key] for key in g.outside)
+        # what only the search reads (``searchable``)
+        self.neutral: list[bool] = []
+        self.searched_mask = 0
+        self.readers_searched: dict[tuple, int] = {}
+
+    def searchable(self) -> None:
+        """Make what the search reads: the neutral nodes (they change no live byte: views,
+        getitem, ...; placed, not searched) and who of the searched nodes reads each
+        storage (the search runs a neutral node just before its first searched reader)."""
+        g, n = self.graph, len(self.names)
         self.neutral = [
             self.new[i] == 0 and self.transient[i] == 0 and not g.mutates[i] for i in range(n)
         ]
-        # who reads each storage: every node (the step as it runs), and the searched nodes
-        # only (the search, where a neutral node runs just before its first searched reader)
         searched = 0
         for i in range(n):
             if not self.neutral[i]:
                 searched |= 1 << i
         self.searched_mask = searched
-        self.readers_searched = {key: m & searched for key, m in g.readers_all.items()}
-        # the bytes live before the first node: what the parameters and inputs hold
-        self.base = sum(self.size[key] for key in g.outside)
+        neutral = self.neutral
+        self.readers_searched = {}
+        for key, rs in g.readers.items():
+            m = 0
+            for r in rs:
+                if not neutral[r]:
+                    m |= 1 << r
+            self.readers_searched[key] = m
 
     # -- the model ---------------------------------------------------------------------
 
-    def step(self, done: int, live: int, i: int, searched: bool = True) -> tuple[int, int]:
-        """Run node ``i`` after the set ``done``: (bytes during it, bytes live after).
-        ``searched``: the readers that count are the searched nodes (else every node)."""
-        readers = self.readers_searched if searched else self.readers_all
+    def sweep(self, seq: Sequence[int]) -> tuple[int, int]:
+        """(peak, live(forward)) running the whole step in the order ``seq`` (a topological
+        order of every node that runs the forward first; each storage freed once its last
+        reader has run: counted down, the bytes ``step`` gives with every node a reader).
+        live(forward), the bytes held into the backward, is the same in every such order
+        ("Bound"); -1 where the traced order does not run the forward first, or there is
+        no backward."""
+        left = dict(self.graph.reader_count)
+        count, size, new, transient = self.graph.reader_count, self.size, self.new, self.transient
+        tangent_reads, reads, touch, pinned = (
+            self.tangent_reads, self.reads, self.touch, self.pinned
+        )  # fmt: skip
+        forward = self.graph.forward
+        live, peak, held = self.base, 0, -1
+        for k, i in enumerate(seq):
+            if k == forward:
+                held = live
+            made = new[i]
+            for key in tangent_reads[i]:  # a tangent's first reader brings it
+                if left[key] == count[key]:
+                    made += size[key]
+            during = live + made + transient[i]
+            if during > peak:
+                peak = during
+            for key in reads[i]:
+                left[key] -= 1
+            live += made
+            for key in touch[i]:
+                if key not in pinned and left[key] == 0:
+                    live -= size[key]
+        return peak, held
+
+    def step(self, done: int, live: int, i: int) -> tuple[int, int]:
+        """Run node ``i`` after the set ``done``, as the search runs it (the readers that
+        count are the searched nodes): (bytes during it, bytes live after)."""
+        readers = self.readers_searched
         made = self.new[i]
         for key in self.tangent_reads[i]:  # a tangent's first reader brings it
             if readers[key] & done == 0:
@@ -322,13 +359,11 @@ class _Problem:
                 freed += self.size[key]
         return during, live + made - freed
 
-    def peak_of(
-        self, seq: Sequence[int], done: int, live: int, searched: bool = True
-    ) -> tuple[int, int, int]:
-        """(peak, set done after, live after) running ``seq`` after ``done``."""
+    def peak_of(self, seq: Sequence[int], done: int, live: int) -> tuple[int, int, int]:
+        """(peak, set done after, live after) running ``seq`` after ``done`` (``step``)."""
         peak = 0
         for i in seq:
-            during, live = self.step(done, live, i, searched)
+            during, live = self.step(done, live, i)
             done |= 1 << i
             peak = max(peak, during)
         return peak, done, live
@@ -559,14 +594,11 @@ def order_step(
     p = _Problem(space, gm, plan)
     n = len(p.names)
     traced = list(range(n))
-    traced_peak, _, _ = p.peak_of(traced, 0, p.base, searched=False)
+    traced_peak, held = p.sweep(traced)
+    unsearched = {"segments": 0, "searched": 0, "exact": 0, "largest": 0, "moved": 0}
     if plan.recompute:
-        return Ordering(
-            list(space.order),
-            traced_peak,
-            traced_peak,
-            {"segments": 0, "searched": 0, "exact": 0, "largest": 0, "moved": 0},
-        )
+        return Ordering(list(space.order), traced_peak, traced_peak, unsearched)
+    p.searchable()
     units = _units(p)
     # the forward runs before the backward, as aot_autograd's partition runs them
     segments = []
@@ -591,7 +623,7 @@ def order_step(
     # "Bound": the bytes at the points every order running the forward first shares, under
     # the search's model (a key point: the same set of nodes runs before it; the whole
     # forward, held into the backward), read off the same run of the segments
-    bound = 0
+    bound = max(held, 0)  # (live(forward) under the step's model: a bound as well)
     for k, seg in enumerate(segments):
         starts.append((done, live))
         seqs.append(seg)
@@ -601,6 +633,11 @@ def order_step(
             bound = max(bound, peak_k)
         if k + 1 < len(segments) and not p.backward[seg[-1]] and p.backward[segments[k + 1][0]]:
             bound = max(bound, live)
+    largest = max((len(s) for s in segments), default=0)
+    if bound >= traced_peak:  # no order peaks lower: the traced one, nothing searched
+        stats = {**unsearched, "segments": len(segments), "largest": largest}
+        stats.update(traced_bytes=traced_peak, bound_bytes=bound, optimal=True)
+        return Ordering(list(space.order), traced_peak, traced_peak, stats)
     searched: dict[int, bool] = {}  # segment -> searched exactly
     optimal = False  # the segment at the peak has no order of a lower peak ("Bound")
     while heap:
@@ -641,7 +678,7 @@ def order_step(
     if len(full) != n or any(p.backward[a] and not p.backward[b] for a, b in zip(full, full[1:])):
         raise AssertionError("order: a node out of its part")
     # (the traced order again, where no searched segment moved a node: its peak is known)
-    peak = traced_peak if full == traced else p.peak_of(full, 0, p.base, searched=False)[0]
+    peak = traced_peak if full == traced else p.sweep(full)[0]
     if peak >= traced_peak:
         full, peak = traced, traced_peak
     moved = sum(1 for k, v in enumerate(full) if k != v)
@@ -649,7 +686,7 @@ def order_step(
         "segments": len(segments),
         "searched": len(searched),
         "exact": sum(searched.values()),
-        "largest": max((len(s) for s in segments), default=0),
+        "largest": largest,
         "moved": moved,
         "traced_bytes": traced_peak,
         "bound_bytes": bound,

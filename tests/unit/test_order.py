@@ -128,20 +128,19 @@ def test_the_order_is_deterministic_and_round_trips_through_json():
 
 
 def test_what_the_order_derives_from_the_graph_is_made_once_per_space_and_graph():
-    """The storage map, the order's dependencies and storage graph are the same for every
-    plan of a step (and its units for plans with the same neutral nodes):
-    kept on the space (``StrategySpace.derived``) and read by each plan the overlap rounds
-    judge; a space made by ``dataclasses.replace`` makes its own, and another graph its
-    dependencies."""
+    """The storage map, the order's storage graph (its dependencies, storages, readers)
+    are the same for every plan of a step (and its units for plans with the same neutral
+    nodes): kept on the space (``StrategySpace.derived``) and read by each plan the overlap
+    rounds judge; a space made by ``dataclasses.replace`` makes its own, and another graph
+    its storage graph."""
     model, inputs, targets, plan, step = _planned(Branches(), ONE)
     space = build_strategies(step, ONE)
     first = order.order_step(space, step.gm, plan)
-    made, kept = space.derived["order_dependencies"]
+    made, graph = space.derived["order_graph"]
     assert made is step.gm
-    graph, units = space.derived["order_graph"][1], space.derived["order_units"][2]
+    units = space.derived["order_units"][2]
     again = order.order_step(space, step.gm, plan)
     assert again.order == first.order == list(plan.order)
-    assert space.derived["order_dependencies"][1] is kept
     # the storage graph, and the units of a plan with the same neutral nodes, kept too
     assert space.derived["order_graph"][1] is graph
     assert space.derived["order_units"][2] is units
@@ -151,7 +150,6 @@ def test_what_the_order_derives_from_the_graph_is_made_once_per_space_and_graph(
     assert storage_map(other) is not storage_map(space) and storage_map(other) == storage_map(space)
     copied = copy.deepcopy(step.gm)
     assert order.order_step(space, copied, plan).order == first.order
-    assert space.derived["order_dependencies"][0] is copied
     assert space.derived["order_graph"][0] is copied
 
 
@@ -252,8 +250,12 @@ def test_no_order_peaks_below_the_bound_or_the_proven_least():
     assert best.stats["optimal"]
     assert best.stats["bound_bytes"] <= best.peak < best.traced_peak
     p = order._Problem(space, step.gm, plan)
-    peaks = [p.peak_of(seq, 0, p.base, searched=False)[0] for seq in _random_orders(p, 200)]
+    swept = [p.sweep(seq) for seq in _random_orders(p, 200)]
+    peaks = [peak for peak, _ in swept]
     assert min(peaks) >= best.peak  # no sampled order below the proven least
+    # live(forward) is the same in every order that runs the forward first, and below each
+    held = {forward for _, forward in swept}
+    assert len(held) == 1 and 0 < held.pop() <= min(peaks)
     assert max(peaks) > best.peak  # the orders differ (the check can see a difference)
     # cut into windows, the search proves nothing
     windowed = order.order_step(space, step.gm, plan, beam=10**5, window=4)
@@ -272,3 +274,4 @@ def test_a_step_whose_peak_every_order_shares_is_proven_in_traced_order():
     # the peak is where the whole forward is held into the backward: no order lowers it
     assert plan.stats["order_bound_bytes"] == plan.stats["order_traced_bytes"]
     assert plan.stats["order_optimal"] and plan.stats["order_moved"] == 0
+    assert plan.stats["order_searched"] == 0  # proven by the bound: nothing searched
