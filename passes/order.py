@@ -147,12 +147,24 @@ def mutates_or_draws(target) -> bool:
     return any(a.alias_info is not None and a.alias_info.is_write for a in target._schema.arguments)
 
 
-def ready_nodes(space: StrategySpace, fed: Collection[str] = ()) -> set[str]:
+def ready_nodes(space: StrategySpace, fed: Collection[str] = ()) -> frozenset[str]:
     """The model's state and what the step makes of it alone: the parameters and buffers,
     and each node that reads only those and such nodes, none of it through a reshard into
     a node of ``fed``, and draws no random numbers and writes nothing (a parameter's cast
     to the compute dtype, its view). A part of the step can run them at its start:
-    passes/prefetch runs them ahead, so that a reshard of their output is issued early."""
+    passes/prefetch runs them ahead, so that a reshard of their output is issued early.
+
+    Those with ``fed`` empty are made once per space (``StrategySpace.derived``); where no
+    node of ``fed`` is among them, ``fed`` takes none away, and they are the answer."""
+    every = space.derived.get("ready_nodes")
+    if every is None:
+        every = space.derived["ready_nodes"] = _ready(space, ())
+    if every.isdisjoint(fed):
+        return every
+    return _ready(space, fed)
+
+
+def _ready(space: StrategySpace, fed: Collection[str]) -> frozenset[str]:
     found = {n for n in space.order if space.roles[n] in (roles.PARAM, roles.BUFFER)}
     for n in space.order:
         target = space.targets[n]
@@ -165,7 +177,7 @@ def ready_nodes(space: StrategySpace, fed: Collection[str] = ()) -> set[str]:
             and all(s in found for s, _ in ins)
         ):
             found.add(n)
-    return found
+    return frozenset(found)
 
 
 class _Graph:
@@ -267,14 +279,23 @@ class _Problem:
             key: nbytes(shape, dtype, out_ps(*key)) if counted else 0
             for key, shape, dtype, counted in g.storages
         }
+        # each node's inputs redistributed into it (``measure``'s reshard buffers): the
+        # placement texts compared first, the parsed placements where the texts differ
+        nodes = plan.nodes
         self.transient = [0] * n
         for i in range(n):
+            choice = nodes.get(g.names[i])
+            if choice is None:
+                continue
+            ins = choice.ins
             for j, src, so in g.inputs[i]:
-                q = in_ps(g.names[i], j)
-                if q is None:
+                made = nodes.get(src)
+                if j >= len(ins) or made is None or so >= len(made.out):
                     continue
-                p = out_ps(src, so)
-                if p is not None and p is not q and tuple(p) != tuple(q):
+                if made.out[so] is None or made.out[so] == ins[j]:
+                    continue
+                p, q = out_ps(src, so), in_ps(g.names[i], j)
+                if p is not None and q is not None and tuple(p) != tuple(q):
                     shape, dtype = space.tensor(src, so)
                     self.transient[i] += nbytes(tuple(shape), dtype, q)
         self.new = [sum(self.size[k] for k in g.makes[i]) for i in range(n)]

@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Sequence, Set
 
 from autopar.core import Plan, StrategySpace, parse_placements, roles
 from autopar.core.schedule import edge_ends, purpose
@@ -95,7 +95,7 @@ def _candidates(space: StrategySpace, plan: Plan, position: dict[str, int]) -> l
     return found
 
 
-def _chain(space: StrategySpace, node: str, ready: set[str]) -> set[str]:
+def _chain(space: StrategySpace, node: str, ready: Set[str]) -> set[str]:
     """``node`` and the operators of ``ready`` it reads, transitively."""
     found, stack = set(), [node]
     while stack:

@@ -275,3 +275,19 @@ def test_a_step_whose_peak_every_order_shares_is_proven_in_traced_order():
     assert plan.stats["order_bound_bytes"] == plan.stats["order_traced_bytes"]
     assert plan.stats["order_optimal"] and plan.stats["order_moved"] == 0
     assert plan.stats["order_searched"] == 0  # proven by the bound: nothing searched
+
+
+def test_the_model_states_computations_are_made_once_and_a_reshard_into_one_takes_it_away():
+    *_, plan, step = _planned(Branches(), ONE)
+    space = build_strategies(step, ONE)
+    every = order.ready_nodes(space)
+    assert order.ready_nodes(space, fed={"a node made of activations"}) is every  # kept
+    made = sorted(n for n in every if space.targets[n] != "placeholder")
+    assert made  # (a weight's transpose)
+    fed = made[0]
+    fewer = order.ready_nodes(space, fed={fed})
+    assert fed not in fewer and fewer < every
+    # what reads it, and only model state besides, goes with it
+    readers = {n for n in made if any(s == fed for s, _ in space.in_sources[n])}
+    assert not readers & fewer
+    assert fewer == order.ready_nodes(dataclasses.replace(space, order=list(space.order)), {fed})
