@@ -421,8 +421,8 @@ def liveness(
         if category in ("parameters", "inputs"):
             first, last = 0, end
         shape, dtype = space.tensor(owner, key[1])
-        base = Storage(owner, key[1], tuple(shape), dtype, first, last, category)
-        base = replace(base, counted=owner not in space.aliases)
+        counted = owner not in space.aliases
+        base = Storage(owner, key[1], tuple(shape), dtype, first, last, category, counted)
         if copy:  # only when its group is checkpointed
             end_copy = max(conds.values(), default=first)
             storages.append(replace(base, last=end_copy, when=(unit_at[first], True)))
