@@ -39,6 +39,8 @@ from .passes.pipeline import (
     REPORT_STAGES,
     TRACE,
     PlanOptions,
+    assemble,
+    emitted_length,
     run_stages,
 )
 from .passes.trace import StepGraph
@@ -138,9 +140,7 @@ def _search(step: StepGraph, mesh: Mesh, options: PlanOptions, stats: dict | Non
     with _gc_paused():
         run_stages(PLAN_STAGES, state, stats, skip=options.skip)
         stats["search_s"] = sum(stats.get(f"{name}_s", 0.0) for name in _SEARCH_STAGES)
-        plan = Plan.from_solution(
-            state["strategies"], state["solve"], fingerprint=step.fingerprint(), stats=stats
-        )
+        plan = assemble(state, step.fingerprint(), stats)
         state["plan"] = plan
         recorded = plan.stats
         run_stages(REPORT_STAGES, state, recorded, skip=options.skip)
@@ -152,7 +152,7 @@ def _search(step: StepGraph, mesh: Mesh, options: PlanOptions, stats: dict | Non
             plan.memory["step"] = report.to_dict()
         # the step as emitted, in the order it runs; the solver's objective beside it
         plan.cost.setdefault("objective_s", plan.cost["total_s"])
-        plan.cost["total_s"] = plan.emitted_step_s()
+        plan.cost["total_s"] = emitted_length(state, plan)
     return plan
 
 

@@ -6,7 +6,9 @@
 GPT-style models (autopar.models.GPT: hidden 2048, 16 heads, ffn 8192, seq 2048, vocab
 50304, batch 8; only the depth changes) are built on the meta device and traced once per
 depth; the same step graph is then planned with folding (passes/fold) and without. "search"
-is everything after tracing up to the plan: folding, strategies, costs, ILP build and solve.
+is everything after tracing (and hashing the traced step, as ``autopar.plan`` does before
+it searches: the plan cache's key) up to the plan: folding, strategies, costs, ILP build
+and solve, and the report stages (order, buckets, prefetch, memory).
 An unfolded search that reaches the solver's time limit is reported with ">=" (its ratio
 is then a lower bound). Each measurement runs in its own process (a heap left by a large
 unfolded problem slows the next one down); the folded search is the fastest of
@@ -49,9 +51,11 @@ def _trace(depth: int, stack):
     with torch.device("meta"):
         model = GPT(cfg)
     tokens = torch.zeros(8, cfg.seq, dtype=torch.long, device="meta")
-    return trace_step(
+    step = trace_step(
         model, (tokens,), loss_fn=cross_entropy_loss, example_targets=(tokens,), stack=stack
     )
+    step.fingerprint()  # as autopar.plan hashes the step (its plan cache's key) before the search
+    return step
 
 
 def _search(step, mesh, fold: bool, time_limit_s: float):

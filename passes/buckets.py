@@ -113,7 +113,7 @@ from collections.abc import Sequence
 import torch
 
 from autopar.core import Plan, StrategySpace, local_shape, parse_placements, reductions, roles
-from autopar.core.schedule import inside_op
+from autopar.core.plan import comm_by_kind
 
 from .memory import MemoryReport, held_inputs, simulate
 from .solve import collective_s, overlaps_collectives
@@ -386,10 +386,7 @@ def _bucketed(
                 if later:
                     entry["wait_after"] = later[0].issue
             collectives.append(entry)
-    by_kind: dict[str, float] = defaultdict(float)
-    for c in collectives:
-        if not inside_op(c["edge"]):  # (an op's own: in compute_s, its node's cost)
-            by_kind[c["kind"]] += c["time_s"]
+    by_kind = comm_by_kind(collectives)
     cost = dict(plan.cost)
     cost.setdefault("objective_s", cost.get("total_s", 0.0))
     cost["comm_s"] = sum(by_kind.values())

@@ -63,6 +63,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autopar.core import CompiledStep, Plan, Solution, StrategySpace
+from autopar.core.schedule import schedule_inputs
 
 from .buckets import DEFAULT_BUCKET_BYTES, bucket_measured, bucket_reductions
 from .codegen import codegen
@@ -85,6 +86,8 @@ __all__ = [
     "TRACE",
     "PlanOptions",
     "Stage",
+    "assemble",
+    "emitted_length",
     "run_stages",
 ]
 
@@ -288,12 +291,15 @@ class _Assessed:
     """What the report stages made of one solution while the overlap rounds judged it
     (``_emitted``): each stage's plan and what it added to the plan's statistics."""
 
+    plan: Plan | None = None  # the solution's, as Plan.from_solution made it
     ordering: Ordering | None = None
     bucketed: Plan | None = None
     bucket_stats: dict = field(default_factory=dict)
     prefetched: Plan | None = None
     prefetch_stats: dict = field(default_factory=dict)
     report: MemoryReport | None = None
+    judged: Plan | None = None  # the plan whose step was simulated, and the step's length
+    length: float = 0.0
 
 
 def _solution_key(solution: Solution) -> tuple:
@@ -324,6 +330,7 @@ def _emitted(state: dict) -> Callable[[Solution], float]:
     def length(solution: Solution) -> float:
         made = _Assessed()
         plan = Plan.from_solution(space, solution, fingerprint="", stats=dict(solution.stats))
+        made.plan = plan
         if "order" not in options.skip:
             made.ordering = order_step(space, state["trace"].gm, plan)
             if made.ordering.changed:
@@ -347,10 +354,34 @@ def _emitted(state: dict) -> Callable[[Solution], float]:
             # core/schedule; the memory stage measures the kept round's plan once)
             made.report = measured
             plan.memory["step"] = measured.to_dict()
+        made.judged, made.length = plan, plan.emitted_step_s()
         assessed[_solution_key(solution)] = made
-        return plan.emitted_step_s()
+        return made.length
 
     return length
+
+
+def emitted_length(state: dict, plan: Plan) -> float:
+    """``plan.emitted_step_s()``: the overlap round's where it judged the same step (the
+    same inputs of core/schedule), else simulated."""
+    made = _reused(state)
+    if made is not None and made.judged is not None:
+        if schedule_inputs(made.judged) == schedule_inputs(plan):
+            return made.length
+    return plan.emitted_step_s()
+
+
+def assemble(state: dict, fingerprint: str, stats: dict) -> Plan:
+    """The plan of the state's solution (``Plan.from_solution``), its nodes and collectives
+    taken from the overlap round that judged it where one did (``_emitted``)."""
+    made = _reused(state)
+    return Plan.from_solution(
+        state["strategies"],
+        state["solve"],
+        fingerprint=fingerprint,
+        stats=stats,
+        like=None if made is None else made.plan,
+    )
 
 
 def _reused(state: dict) -> _Assessed | None:

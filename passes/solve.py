@@ -265,7 +265,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -742,6 +742,9 @@ class IlpBuilder:
         self._index: dict[Any, int] = {}
         self.lv: Liveness | None = None  # the liveness the memory cuts are made on
         self.rounds: list[float] = []  # each overlap round's step, seconds ("Overlap")
+        # the kept round's solution as its step was judged (read_solution ``like``), where
+        # the rounds read one: the values held are restored, so it is the plan read again
+        self.kept: Solution | None = None
 
     # -- margins ---------------------------------------------------------------------------
 
@@ -1444,12 +1447,45 @@ def _solved(status: int) -> bool:
     return status in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE)
 
 
-def read_solution(ilp: IlpBuilder, status: int, stats: dict, time_limit_s: float) -> Solution:
+def read_solution(
+    ilp: IlpBuilder, status: int, stats: dict, time_limit_s: float, like: Solution | None = None
+) -> Solution:
     """The chosen strategies, their compute time, and the collectives of the chosen edges.
 
     A solve stopped by the time limit (status FEASIBLE) is said so: ``stats["status"]`` is
     ``time_limit``, with the incumbent and the best bound, and the solution carries a
-    warning."""
+    warning. ``like``: this solution as read before, from the same values (an overlap
+    round's, held and restored: ``IlpBuilder.kept``); its plan is taken, and only the
+    statistics and warnings are made again (reading one is linear in the step's nodes)."""
+    read = _read(ilp) if like is None else like
+    warnings = []
+    extra = {k: read.stats[k] for k in ("recompute_s", "recomputed_layers") if k in read.stats}
+    if status != pywraplp.Solver.OPTIMAL:
+        incumbent, bound = (v / _SCALE for v in ilp.objective_value())
+        gap = (incumbent - bound) / incumbent if incumbent > 0 else 0.0
+        extra.update(incumbent=incumbent, best_bound=bound, gap=gap)
+        warnings.append(
+            f"the solver stopped at its time limit of {time_limit_s:.0f} s with a plan of "
+            f"{incumbent * 1e3:.4f} ms, at most {gap:.1%} above the best bound "
+            f"({bound * 1e3:.4f} ms): raise time_limit_s for a better plan"
+        )
+    stats = {
+        "solver": ilp.solver,
+        "status": "optimal" if status == pywraplp.Solver.OPTIMAL else "time_limit",
+        "solver_nodes": len(ilp.folding.reps),
+        "merged_nodes": len(ilp.merged),
+        "edge_variables": ilp.n_edge_vars,
+        "variables": ilp.lp.NumVariables(),
+        "constraints": ilp.lp.NumConstraints(),
+        **extra,
+        **stats,
+    }
+    return replace(read, stats=stats, warnings=warnings)
+
+
+def _read(ilp: IlpBuilder) -> Solution:
+    """``read_solution``'s plan of the held values: its statistics only the recomputed
+    layers' (``recompute_s``, ``recomputed_layers``), no warnings."""
     mesh, profile = ilp.space.mesh, ilp.profile
     choice = ilp.choice()
     rep = ilp.folding.rep
@@ -1489,31 +1525,10 @@ def read_solution(ilp: IlpBuilder, status: int, stats: dict, time_limit_s: float
         for rec in ilp.lv.groups[g] if ilp.lv is not None else ():
             recompute.append(rec)
             collectives.extend(_recomputed_collectives(ilp, rec))
-    warnings = []
-    extra = {}
+    stats = {}
     if chosen:
-        extra["recompute_s"] = recompute_s / _SCALE
-        extra["recomputed_layers"] = len(recompute)
-    if status != pywraplp.Solver.OPTIMAL:
-        incumbent, bound = (v / _SCALE for v in ilp.objective_value())
-        gap = (incumbent - bound) / incumbent if incumbent > 0 else 0.0
-        extra = {"incumbent": incumbent, "best_bound": bound, "gap": gap}
-        warnings.append(
-            f"the solver stopped at its time limit of {time_limit_s:.0f} s with a plan of "
-            f"{incumbent * 1e3:.4f} ms, at most {gap:.1%} above the best bound "
-            f"({bound * 1e3:.4f} ms): raise time_limit_s for a better plan"
-        )
-    stats = {
-        "solver": ilp.solver,
-        "status": "optimal" if status == pywraplp.Solver.OPTIMAL else "time_limit",
-        "solver_nodes": len(ilp.folding.reps),
-        "merged_nodes": len(ilp.merged),
-        "edge_variables": ilp.n_edge_vars,
-        "variables": ilp.lp.NumVariables(),
-        "constraints": ilp.lp.NumConstraints(),
-        **extra,
-        **stats,
-    }
+        stats["recompute_s"] = recompute_s / _SCALE
+        stats["recomputed_layers"] = len(recompute)
     # where buckets overlap the backward, the step's length with them ("Overlap")
     step_s = ilp.overlap()[0] if ilp.hide_coef else compute_s + comm_s
     params = len(set(ilp.space.params.values()))
@@ -1539,7 +1554,6 @@ def read_solution(ilp: IlpBuilder, status: int, stats: dict, time_limit_s: float
         collectives=collectives,
         node_cost_s={n: ilp.node_cost[rep(n)][k] for n, k in choice.items()},
         stats=stats,
-        warnings=warnings,
         recompute=recompute,
     )
 
@@ -1785,14 +1799,17 @@ def solve(
         in a part; each is read where the rounds reach it (``take``), as solved in place,
         and dropped where they stop before."""
 
+        read: list[Solution | None] = [None]  # the last round's, as ``length`` read it
+
         def length(step: float) -> float:
+            read[0] = None
             if assess is None:
                 return step
             # (the solver's peak: passes/buckets measures only where buckets may pass it)
             stats = {"memory_budget": budget}
             if report is not None:
                 stats["peak_bytes"] = report.peak_bytes
-            solution = read_solution(ilp, status, stats, time_limit_s)
+            solution = read[0] = read_solution(ilp, status, stats, time_limit_s)
             return assess(solution)
 
         def next_shares(scales: dict) -> dict[tuple[str, int], float] | None:
@@ -1816,7 +1833,7 @@ def solve(
         # first plan without one never kept one), else solved in place if it comes to it
         hides_nothing = any(v is None for v in scales.values())
         beside, beside_last = ahead(shares), ahead(last) if hides_nothing else None
-        best = (length(step), ilp.hold(), dict(ilp.hide_scale), status, report)
+        best = (length(step), ilp.hold(), dict(ilp.hide_scale), status, report, read[0])
         best_scales = scales
         rounds = [best[0]]
         for i in range(OVERLAP_ROUNDS - 1):
@@ -1833,7 +1850,7 @@ def solve(
             rounds.append(length(step))
             if rounds[-1] >= best[0] * (1 - 1e-6):
                 break  # no shorter: the rounds swing; the shortest so far is kept
-            best = (rounds[-1], ilp.hold(), dict(ilp.hide_scale), status, report)
+            best = (rounds[-1], ilp.hold(), dict(ilp.hide_scale), status, report, read[0])
             best_scales = scales
         if not ilp.cuts and any(v is None for v in best_scales.values()):
             # where the kept plan hides nothing in a part of the step (no gathers ahead in
@@ -1849,8 +1866,8 @@ def solve(
                 step, _ = ilp.overlap()
                 rounds.append(length(step))
                 if rounds[-1] < best[0] * (1 - 1e-6):
-                    best = (rounds[-1], ilp.hold(), dict(ilp.hide_scale), status, report)
-        _, solution, ilp.hide_scale, status, report = best
+                    best = (rounds[-1], ilp.hold(), dict(ilp.hide_scale), status, report, read[0])
+        _, solution, ilp.hide_scale, status, report, ilp.kept = best
         ilp.objective()
         ilp.restore(solution)
         ilp.rounds = rounds
@@ -1944,6 +1961,6 @@ def solve(
                 f"solver stopped after {MAX_ROUNDS} rounds of bounding it"
             )
     stats["peak_bytes"] = report.peak_bytes
-    sol = read_solution(ilp, status, stats, time_limit_s)
+    sol = read_solution(ilp, status, stats, time_limit_s, like=ilp.kept)
     sol.warnings.extend(warnings)
     return sol

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,6 +35,7 @@ __all__ = [
     "PLAN_FORMAT",
     "Plan",
     "STATS_ORDER",
+    "comm_by_kind",
     "index_ranges",
     "name_pattern",
 ]
@@ -160,6 +162,68 @@ class NodeChoice:
         )
 
 
+def _nodes_and_collectives(
+    space: StrategySpace, solution: Solution
+) -> tuple[dict[str, NodeChoice], tuple[dict, ...]]:
+    """``Plan.from_solution``'s nodes and collectives of ``solution``."""
+    mesh = space.mesh
+
+    def text(ps):
+        return None if ps is None else tuple(placement_str(p) for p in ps)
+
+    # a fold group's instances share their strategy objects (passes/fold), and many
+    # nodes one op: each text made once (a 96-layer step has ~18,000 nodes)
+    texts: dict[int, tuple] = {}
+    ops: dict[object, str] = {}
+    nodes = {}
+    for name in space.order:
+        s = solution.chosen(space, name)
+        made = texts.get(id(s))
+        if made is None:
+            made = texts[id(s)] = (
+                tuple(text(o) for o in s.out),
+                tuple(text(i) for i in s.ins),
+            )
+        target = space.targets[name]
+        op = ops.get(target)
+        if op is None:
+            op = ops[target] = op_name(target)
+        nodes[name] = NodeChoice(
+            op=op,
+            module=space.modules[name],
+            role=space.roles[name],
+            out=made[0],
+            ins=made[1],
+            cost_s=solution.node_cost_s[name],
+            host_s=solution.host_s.get(name, 0.0),
+        )
+    collectives = []
+    param_of = {node: name for name, node in space.params.items()}
+    for label, c, t in solution.collectives:
+        collectives.append(
+            {
+                "edge": label,
+                **_collective_site(label, space.modules, param_of),
+                "kind": c.kind,
+                "axis": mesh.axis_names[c.axis],
+                "nbytes": int(c.nbytes),
+                "group_size": int(c.group_size),
+                "time_s": t,
+            }
+        )
+    return nodes, tuple(collectives)
+
+
+def comm_by_kind(collectives: Sequence[dict]) -> dict[str, float]:
+    """The seconds of a plan's collectives by kind, an op's own left out (in its node's
+    cost, ``compute_s``), the kinds in the order they come."""
+    by_kind: dict[str, float] = {}
+    for c in collectives:
+        if not inside_op(c["edge"]):
+            by_kind[c["kind"]] = by_kind.get(c["kind"], 0.0) + c["time_s"]
+    return by_kind
+
+
 @dataclass(frozen=True)
 class Plan:
     """A sharding plan for one training step on one mesh.
@@ -232,44 +296,27 @@ class Plan:
 
     @classmethod
     def from_solution(
-        cls, space: StrategySpace, solution: Solution, *, fingerprint: str, stats: dict
+        cls,
+        space: StrategySpace,
+        solution: Solution,
+        *,
+        fingerprint: str,
+        stats: dict,
+        like: Plan | None = None,
     ) -> Plan:
         """The plan of ``solution`` (passes/solve) over ``space`` (passes/strategies).
 
         ``stats``: what the pass runner recorded (stage times and sizes); the solver's own
-        statistics are added, and the keys ordered by ``STATS_ORDER``.
+        statistics are added, and the keys ordered by ``STATS_ORDER``. ``like``: a plan made
+        of a solution with the same choice, node costs and collectives (the overlap round
+        kept, passes/pipeline): its nodes and collectives are taken, not made again (each
+        linear in the step's nodes).
         """
         mesh = space.mesh
-
-        def text(ps):
-            return None if ps is None else tuple(placement_str(p) for p in ps)
-
-        # a fold group's instances share their strategy objects (passes/fold), and many
-        # nodes one op: each text made once (a 96-layer step has ~18,000 nodes)
-        texts: dict[int, tuple] = {}
-        ops: dict[object, str] = {}
-        nodes = {}
-        for name in space.order:
-            s = solution.chosen(space, name)
-            made = texts.get(id(s))
-            if made is None:
-                made = texts[id(s)] = (
-                    tuple(text(o) for o in s.out),
-                    tuple(text(i) for i in s.ins),
-                )
-            target = space.targets[name]
-            op = ops.get(target)
-            if op is None:
-                op = ops[target] = op_name(target)
-            nodes[name] = NodeChoice(
-                op=op,
-                module=space.modules[name],
-                role=space.roles[name],
-                out=made[0],
-                ins=made[1],
-                cost_s=solution.node_cost_s[name],
-                host_s=solution.host_s.get(name, 0.0),
-            )
+        if like is not None:
+            nodes, collectives = like.nodes, like.collectives
+        else:
+            nodes, collectives = _nodes_and_collectives(space, solution)
         outputs: list = [None] * space.n_outputs
         replicated = ("R",) * mesh.ndim
         for sink in space.sinks:
@@ -288,23 +335,6 @@ class Plan:
             )
             total += nbytes
             per_rank += nbytes // shards
-        by_kind: dict[str, float] = {}
-        collectives = []
-        param_of = {node: name for name, node in space.params.items()}
-        for label, c, t in solution.collectives:
-            if not inside_op(label):  # (an op's own: in its node's cost, compute_s)
-                by_kind[c.kind] = by_kind.get(c.kind, 0.0) + t
-            collectives.append(
-                {
-                    "edge": label,
-                    **_collective_site(label, space.modules, param_of),
-                    "kind": c.kind,
-                    "axis": mesh.axis_names[c.axis],
-                    "nbytes": int(c.nbytes),
-                    "group_size": int(c.group_size),
-                    "time_s": t,
-                }
-            )
         merged = {
             **solution.stats,
             **stats,
@@ -324,12 +354,12 @@ class Plan:
             has_loss=space.has_loss,
             outputs=tuple(outputs),
             fallback_nodes=tuple(sorted(space.fallbacks)),
-            collectives=tuple(collectives),
+            collectives=collectives,
             cost={
                 "compute_s": solution.compute_s,
                 "comm_s": solution.comm_s,
                 "total_s": solution.objective_s,
-                "comm_by_kind_s": dict(sorted(by_kind.items())),
+                "comm_by_kind_s": dict(sorted(comm_by_kind(collectives).items())),
                 # the host's fixed time per step, where the profile has one (the CPU's)
                 **({"runtime_s": solution.runtime_s} if solution.runtime_s else {}),
                 # the runtime's host time before the first node and after the last, where

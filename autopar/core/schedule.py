@@ -96,6 +96,7 @@ __all__ = [
     "edge_ends",
     "purpose",
     "schedule",
+    "schedule_inputs",
     "step_length",
     "step_points",
 ]
@@ -170,6 +171,20 @@ def _points(plan: Plan) -> list[str]:
     if nodes:
         return [n for n in nodes if n != "output"]
     return [p for p, _, _ in step_points(plan.order or list(plan.nodes), plan.recompute)]
+
+
+def schedule_inputs(plan: Plan) -> tuple:
+    """What ``schedule`` reads of a plan: two plans with equal inputs have one schedule."""
+    cost = plan.cost
+    return (
+        _points(plan),
+        plan.nodes,
+        plan.collectives,
+        bool(plan.stats.get("overlaps_collectives")),
+        cost.get("runtime_s", 0.0),
+        cost.get("host_start_s", 0.0),
+        cost.get("host_end_s", 0.0),
+    )
 
 
 def inside_op(edge: str) -> bool:

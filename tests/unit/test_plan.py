@@ -166,16 +166,19 @@ def _small_gpt_plan() -> autopar.Plan:
 def test_the_report_stages_take_the_kept_rounds_plan_and_it_is_the_plan_they_would_make(
     monkeypatch,
 ):
-    from autopar.passes import pipeline
+    from autopar.core import plan as plan_module
+    from autopar.passes import pipeline, solve
 
     calls = {"order_step": 0, "prefetch_measured": 0, "simulate": 0}
     unmeasured = []  # prefetches that did not measure the plan they returned
+    # what reading a solution, making its plan and simulating its step cost, by what
+    made = {"_read": 0, "_nodes_and_collectives": 0, "emitted_step_s": 0}
 
-    def counted(name):
-        real = getattr(pipeline, name)
+    def counted(module, name, into):
+        real = getattr(module, name)
 
         def run(*args, **kw):
-            calls[name] += 1
+            into[name] += 1
             out = real(*args, **kw)
             if name == "prefetch_measured" and out[1] is None:
                 unmeasured.append(out[0])
@@ -184,11 +187,22 @@ def test_the_report_stages_take_the_kept_rounds_plan_and_it_is_the_plan_they_wou
         return run
 
     for name in calls:
-        monkeypatch.setattr(pipeline, name, counted(name))
+        monkeypatch.setattr(pipeline, name, counted(pipeline, name, calls))
+    monkeypatch.setattr(solve, "_read", counted(solve, "_read", made))
+    monkeypatch.setattr(
+        plan_module, "_nodes_and_collectives", counted(plan_module, "_nodes_and_collectives", made)
+    )
+    monkeypatch.setattr(
+        autopar.Plan, "emitted_step_s", counted(autopar.Plan, "emitted_step_s", made)
+    )
     reused = _small_gpt_plan()
     assert reused.stats["overlap_rounds"]  # on h100 the rounds judge the emitted step
     rounds = dict(calls)
-    assert rounds["order_step"] == rounds["prefetch_measured"] >= 1
+    judged = len(reused.stats["overlap_rounds"])
+    assert rounds["order_step"] == rounds["prefetch_measured"] == judged >= 1
+    # each round's solution read, its plan made and its step simulated once; the plan of
+    # the round kept is that round's, its step's length that round's
+    assert made == {"_read": judged, "_nodes_and_collectives": judged, "emitted_step_s": judged}
     # the device's memory is far above this step's: no budget check measures a round's
     # plan, and a round's length needs no measurement (core/schedule: the plan's order),
     # so the pipeline measures the kept plan once (the memory stage; the order stage takes
@@ -196,15 +210,19 @@ def test_the_report_stages_take_the_kept_rounds_plan_and_it_is_the_plan_they_wou
     assert len(unmeasured) == rounds["prefetch_measured"]
     assert rounds["simulate"] == 1
     monkeypatch.setattr(pipeline, "_reused", lambda state: None)
-    made = _small_gpt_plan()
+    read = solve.read_solution
+    monkeypatch.setattr(solve, "read_solution", lambda *args, like=None, **kw: read(*args, **kw))
+    made.update(dict.fromkeys(made, 0))
+    again = _small_gpt_plan()
     # made again by the report stages: one more call of each, and the same plan
     assert {k: calls[k] - rounds[k] for k in calls} == {
         "order_step": rounds["order_step"] + 1,
         "prefetch_measured": rounds["prefetch_measured"] + 1,
         "simulate": 1,  # the memory stage's
     }
-    assert reused.to_json() == made.to_json()
-    assert reused.stats["prefetched"] == made.stats["prefetched"] >= 1
+    assert made == dict.fromkeys(made, judged + 1)
+    assert reused.to_json() == again.to_json()
+    assert reused.stats["prefetched"] == again.stats["prefetched"] >= 1
 
 
 def test_the_budget_checks_measure_where_their_bound_may_pass_the_budget(monkeypatch):
