@@ -111,6 +111,36 @@ def test_nothing_checkpointed_is_the_step_without_checkpointing():
     assert len(copies) == sum(len(c.nodes) for c in found)
 
 
+def test_the_layers_are_offered_to_checkpoint_only_once_a_plan_exceeds_the_budget(monkeypatch):
+    # the solver measures its plans on the step as traced until one exceeds the budget,
+    # then on the step in which any layer may be checkpointed (passes/solve ``_Lives``):
+    # the same bytes at the traced points (the test above), found only where needed
+    found = []
+    real = remat.candidates
+    monkeypatch.setattr(remat, "candidates", lambda space: found.append(space) or real(space))
+    torch.manual_seed(0)
+    model, inputs, loss_fn, targets = EXAMPLES["gpt"]()
+
+    def plan(fraction):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return autopar.plan(
+                model,
+                MESH,
+                inputs,
+                loss_fn=loss_fn,
+                example_targets=targets,
+                memory_fraction=fraction,
+                optimizer="none",
+            )
+
+    roomy = plan(1.5)
+    assert found == [] and not roomy.recompute
+    assert roomy.stats["peak_bytes"] <= roomy.stats["memory_budget"]
+    tight = plan(0.85)
+    assert len(found) == 1 and len(tight.recompute) == 2
+
+
 @pytest.mark.parametrize("name, fraction", [("gpt", 0.85), ("hf-llama", 0.8)])
 def test_checkpointed_step_computes_the_same_and_peaks_as_predicted(name, fraction):
     torch.manual_seed(0)
