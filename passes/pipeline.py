@@ -37,8 +37,9 @@ Where the solver's overlap rounds judged the solution the plan is (``_emitted``,
 CUDA), the plan is assembled from the round's (``assemble``: its nodes and collectives),
 the four report stages take what the rounds made of it (the order, the bucketed and the
 prefetched plan, the memory report; ``state["assessed"]``) instead of making it again,
-and the step's length is the round's where the step is the same (``emitted_length``); the order stage takes the traced order's peak from the solver's measurement of its
-plan (``stats["peak_bytes"]``: the same step). A round's memory report is
+and the step's length is the round's where the step is the same (``emitted_length``);
+the order stage takes the traced order's peak from the solver's measurement of its plan
+(``stats["peak_bytes"]``: the same step). A round's memory report is
 the one the buckets' or prefetch's budget check measured of the same plan, where one did;
 else the memory stage measures the kept round's plan (a round's step length needs none:
 core/schedule runs the plan's order with its checkpointed layers' copies).
