@@ -46,7 +46,10 @@ plan's order, passes/order), and
 
 At the graph outputs the loss is redistributed to Replicate, each gradient to its
 parameter's placement. Nothing is done when the plan replicates everything (the local graph
-is then the global graph, plus nothing). The gradients the plan buckets (passes/buckets)
+is then the global graph, plus nothing). A view to the shape its input already has is
+replaced by its input (``drop_identity_views``): DTensor's dispatch leaves one around most
+ops it runs on local shards, a call of the step that the plan has no node for and the cost
+model does not price. The gradients the plan buckets (passes/buckets)
 are reduced earlier: right after the node that makes a bucket's last gradient, its members
 are flattened into one tensor and all-reduced, or (a bucket of reduce-scatters into
 sharded parameters) laid out rank-major, each rank's chunk of every member in turn, and
@@ -712,11 +715,49 @@ def build_local_graph(step: StepGraph, plan: Plan, dmesh) -> LocalStep:
             p.meta.update(b.meta)
             b.replace_all_uses_with(p)
             gm.graph.erase_node(b)
+    drop_identity_views(gm)
     if interp.overlap:
         hoist_prefetched(gm, plan)
     gm.graph.lint()
     gm.recompile()
     return LocalStep(gm=gm, mismatches=interp.mismatches)
+
+
+_VIEWS = (_aten.view.default, _aten._unsafe_view.default)
+
+
+def drop_identity_views(gm: torch.fx.GraphModule) -> int:
+    """Replace each view to the shape its input already has by its input; returns how many.
+
+    DTensor's dispatch, run on local shards (``_run_op``, ``_redistribute``), leaves such
+    views around the ops it turns local: 935 of the 1,024 views of the zoo Llama's local
+    graphs on 2 ranks, where a 45% memory budget has the plan split its layers (1,553
+    nodes; 634 without them). Each is a call of the generated code and a dispatch that the
+    plan has no node for and the cost model does not price: that gloo step took 33-34 ms
+    with them and 26-29 ms without. A view keeps its input's strides when the shape is
+    the same, so its input serves every reader. Kept: a view the graph outputs
+    (aot_autograd tracks an output's aliasing of an input), and one an op mutates."""
+    dropped = 0
+    for n in list(gm.graph.nodes):
+        if n.op != "call_function" or n.target not in _VIEWS:
+            continue
+        src = n.args[0]
+        before, after = getattr(src, "meta", {}).get("val"), n.meta.get("val")
+        if not isinstance(before, torch.Tensor) or not isinstance(after, torch.Tensor):
+            continue
+        if before.shape != after.shape or before.stride() != after.stride():
+            continue
+        if any(u.op == "output" or _mutates(u) for u in n.users):
+            continue
+        n.replace_all_uses_with(src)
+        gm.graph.erase_node(n)
+        dropped += 1
+    return dropped
+
+
+def _mutates(n: torch.fx.Node) -> bool:
+    schema = getattr(n.target, "_schema", None)
+    return bool(schema is not None and schema.is_mutable)
 
 
 def _made_by(n: torch.fx.Node) -> str | None:

@@ -1,6 +1,7 @@
 """Codegen on a two-matmul model: the collectives the local graph emits, and their count;
-and on a small GPT planned as FSDP for a GPU, where the CUDA emission places its gradient
-buckets' waits and its reshards issued ahead.
+on a small GPT planned as FSDP for a GPU, where the CUDA emission places its gradient
+buckets' waits and its reshards issued ahead; and on a small GPT planned as Megatron, the
+views to a tensor's own shape that DTensor's dispatch leaves, dropped from the local graph.
 
 One process: a fake process group (torch's testing backend, which records collectives and
 moves no data) stands behind a 2-rank mesh; codegen only traces the local graph.
@@ -314,3 +315,71 @@ def test_cuda_weights_cast_ahead_of_their_gathers(tp_mesh, monkeypatch):
     dmesh = _as_on_cuda(monkeypatch)
     spans = _gathered_ahead(model, dmesh, tokens, targets, plan, policy)
     assert sum(1 for s in spans if s > 2) >= len(spans) - 2 > 0
+
+
+def _identity_views(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """Views to the shape and strides their input already has."""
+    out = []
+    for n in gm.graph.nodes:
+        if n.target in (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default):
+            before, after = n.args[0].meta["val"], n.meta["val"]
+            if before.shape == after.shape and before.stride() == after.stride():
+                out.append(n)
+    return out
+
+
+def test_split_layers_emit_no_view_to_a_tensors_own_shape(tp_mesh, monkeypatch):
+    """DTensor's dispatch on local shards leaves views to the shape a tensor already has
+    around the ops it runs; the emitted step runs none of them (each is a call of the
+    generated code that the plan does not have)."""
+    model, tokens, targets = _small_gpt()
+    mesh = autopar.Mesh((2,), ("tp",))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = autopar.plan(
+            model, mesh, (tokens,), loss_fn=cross_entropy_loss, example_targets=(targets,),
+            constraints=experts.megatron(model, mesh),
+        )  # fmt: skip
+    graphs = {}
+    for drop in (True, False):
+        if not drop:  # as DTensor traced it
+            monkeypatch.setattr(codegen, "drop_identity_views", lambda gm: 0)
+        with contextlib.ExitStack() as stack:
+            step = trace_step(
+                model, (tokens,), loss_fn=cross_entropy_loss, example_targets=(targets,),
+                stack=stack,
+            )  # fmt: skip
+            graphs[drop] = build_local_graph(step, plan, tp_mesh).gm
+    traced, emitted = graphs[False], graphs[True]
+    made = len(_identity_views(traced))
+    assert made >= 50  # the premise: DTensor made them
+    kept = _identity_views(emitted)
+    assert all(any(u.op == "output" for u in n.users) for n in kept)
+    ops = [n for n in traced.graph.nodes if n.op == "call_function"]
+    assert sum(n.op == "call_function" for n in emitted.graph.nodes) == len(ops) - made + len(kept)
+    assert count_collectives(emitted, tp_mesh) == count_collectives(traced, tp_mesh)
+
+
+def test_an_identity_view_is_kept_where_the_graph_outputs_it_or_an_op_writes_it():
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    x.meta["val"] = torch.empty(4, 3)
+    aten = torch.ops.aten
+
+    def call(target, *args, like):
+        n = graph.call_function(target, args)
+        n.meta["val"] = like
+        return n
+
+    same = call(aten.view.default, x, [4, 3], like=torch.empty(4, 3))
+    reshaped = call(aten.view.default, x, [12], like=torch.empty(12))
+    read = call(aten.add.Tensor, same, 1.0, like=torch.empty(4, 3))
+    written = call(aten.view.default, x, [4, 3], like=torch.empty(4, 3))
+    call(aten.add_.Tensor, written, 1.0, like=torch.empty(4, 3))
+    out = call(aten.view.default, read, [4, 3], like=torch.empty(4, 3))
+    graph.output((out, reshaped))
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    assert codegen.drop_identity_views(gm) == 1
+    names = {n.name for n in gm.graph.nodes}
+    assert same.name not in names and {reshaped.name, written.name, out.name} <= names
+    assert read.args[0] is x
