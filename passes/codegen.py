@@ -49,11 +49,13 @@ parameter's placement. Nothing is done when the plan replicates everything (the 
 is then the global graph, plus nothing). A view to the shape its input already has is
 replaced by its input (``drop_identity_views``): DTensor's dispatch leaves one around most
 ops it runs on local shards, a call of the step that the plan has no node for and the cost
-model does not price. The gradients the plan buckets (passes/buckets)
-are reduced earlier: right after the node that makes a bucket's last gradient, its members
-are flattened into one tensor and all-reduced, or (a bucket of reduce-scatters into
-sharded parameters) laid out rank-major, each rank's chunk of every member in turn, and
-reduce-scattered (``_issue``); each output is a view of the result (``_bucketed``). On
+model does not price.
+
+The gradients the plan buckets (passes/buckets) are reduced earlier: right after the node
+that makes a bucket's last gradient, its members are flattened into one tensor and
+all-reduced, or (a bucket of reduce-scatters into sharded parameters) laid out rank-major,
+each rank's chunk of every member in turn, and reduce-scattered (``_issue``); each output
+is a view of the result (``_bucketed``). On
 CUDA an all-reduce bucket is waited for at the graph's end, so it overlaps the rest of the
 backward, and a reduce-scatter bucket where the next one on its axis is issued (the entry's
 ``wait_after``: its input, G times its output, is held until the wait); on gloo a bucket is
