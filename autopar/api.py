@@ -153,6 +153,8 @@ def _search(step: StepGraph, mesh: Mesh, options: PlanOptions, stats: dict | Non
         # the step as emitted, in the order it runs; the solver's objective beside it
         plan.cost.setdefault("objective_s", plan.cost["total_s"])
         plan.cost["total_s"] = emitted_length(state, plan)
+        # (what the stages made but the plan is freed before the collection, not walked by it)
+        del state, report
     return plan
 
 

@@ -120,8 +120,10 @@ parallelism) and the memory budget does not bind, the rounds judged that part fr
 without it; one last round counts every part at an all-reduce bucket's share, alike, and
 is kept where its step is shorter (Llama-3.2-1B over (8,) in bf16: the rounds kept data
 parallelism, 96.4 ms, never pricing the sharded weights' gathers below half; the last
-round shards and gathers them, each cast to bf16 on its shard, 95.3 ms).
-``Solution.objective_s`` is T. On gloo there is no overlap (codegen waits for each
+round shards and gathers them, each cast to bf16 on its shard, 95.3 ms). A round's plan
+is read once per solution (``IlpBuilder._once``: its choice and overlap, which the memory
+check, the simulation and the plan each read); without a memory budget no round's step
+memory is measured, only the kept plan's. ``Solution.objective_s`` is T. On gloo there is no overlap (codegen waits for each
 collective where it is issued) and the objective is W.
 
 Memory. bytes(i), the bytes one rank holds after node i (passes/memory), is linear in the
@@ -744,6 +746,9 @@ class IlpBuilder:
         # variable -> its index (OR-Tools' ``index()`` is a wrapped call, ten times a dict
         # lookup: a held solution is read by index hundreds of thousands of times a plan)
         self._index: dict[Any, int] = {}
+        # what ``choice`` and ``overlap`` read of the held solution, made once per solution
+        # (each is linear in the step's nodes; a round reads both two or three times)
+        self._read_of: tuple[tuple | None, int, dict[str, Any]] = (None, 0, {})
         self.lv: Liveness | None = None  # the liveness the memory cuts are made on
         self.rounds: list[float] = []  # each overlap round's step, seconds ("Overlap")
         # the kept round's solution as its step was judged (read_solution ``like``), where
@@ -1138,11 +1143,27 @@ class IlpBuilder:
                 terms[v] += share * c
         return terms
 
+    def _once(self, what: str, make: Callable[[], Any]) -> Any:
+        """``make()`` read of the held solution, made once while it is held (and no variable
+        is added: a checkpointed group's time enters the objective's coefficients)."""
+        if self.held is None:
+            return make()
+        held, count, made = self._read_of
+        if held is not self.held or count != self.lp.NumVariables():
+            made = {}
+            self._read_of = (self.held, self.lp.NumVariables(), made)
+        if what not in made:
+            made[what] = make()
+        return made[what]
+
     def overlap(self) -> tuple[float, dict[tuple[str, int], float | None]]:
         """At the solution: the step's length (seconds) with what may hide beside the
         compute of its part, W + sum over parts of max_a max(0, H_pa - (W_p - B_pa)), and
         the share of each H_pa that is not hidden (None where the plan has none of it:
         "Overlap")."""
+        return self._once("overlap", self._overlap)
+
+    def _overlap(self) -> tuple[float, dict[tuple[str, int], float | None]]:
 
         # the choice variables rounded (the solver's tolerance leaves 1e-7 on a continuous
         # e; the plan is the rounded choice); a checkpointed group's time t as it is
@@ -1204,7 +1225,11 @@ class IlpBuilder:
         self.held = held
 
     def choice(self) -> dict[str, int]:
-        """Node name -> the index of the strategy the solver set (every node)."""
+        """Node name -> the index of the strategy the solver set (every node; one dict per
+        held solution, read only)."""
+        return self._once("choice", self._choice)
+
+    def _choice(self) -> dict[str, int]:
         rep_choice = {}
         for name, vs in self.x.items():
             vals = [sum(self.value(v) for v in group) for group in vs]
@@ -1338,7 +1363,10 @@ def _run(ilp: IlpBuilder, time_limit_s: float, mip_gap: float) -> int:
     ilp.lp.SetTimeLimit(_left_ms(time_limit_s, t0))
     params = _parameters(ilp.lp, ilp.solver, mip_gap)
     with _quiet_stdout():
-        return ilp.lp.Solve(params)
+        status = ilp.lp.Solve(params)
+    if _solved(status):  # (held: what each round reads of it is made once, ``_once``)
+        ilp.restore(ilp.hold())
+    return status
 
 
 INTEGRAL_TOL = 1e-9  # how far from 0 or 1 an integer variable of the relaxation may lie
@@ -1491,9 +1519,10 @@ def _read(ilp: IlpBuilder) -> Solution:
     """``read_solution``'s plan of the held values: its statistics only the recomputed
     layers' (``recompute_s``, ``recomputed_layers``), no warnings."""
     mesh, profile = ilp.space.mesh, ilp.profile
-    choice = ilp.choice()
+    choice = dict(ilp.choice())
     rep = ilp.folding.rep
-    compute_s = sum(ilp.node_cost[rep(n)][k] for n, k in choice.items())
+    node_cost_s = {n: ilp.node_cost[rep(n)][k] for n, k in choice.items()}
+    compute_s = sum(node_cost_s.values())
     collectives: list[tuple[str, Collective, float]] = []
     comm_s = 0.0
     for t in ilp.edge_terms:
@@ -1556,7 +1585,7 @@ def _read(ilp: IlpBuilder) -> Solution:
         compute_s=compute_s,
         comm_s=comm_s,
         collectives=collectives,
-        node_cost_s={n: ilp.node_cost[rep(n)][k] for n, k in choice.items()},
+        node_cost_s=node_cost_s,
         stats=stats,
         recompute=recompute,
     )
@@ -1802,13 +1831,14 @@ def solve(
         for choice in forbid:
             forbid_choice(ilp, choice)
         status, report = once(ilp)
-        if not ilp.hide_coef or not _solved(status):
-            return ilp, status, report
-
-        # "Overlap": re-price what may hide at the share the last plan leaves unhidden;
-        # keep the plan whose step (as emitted, where ``assess`` says) is the shortest
-        step, scales = ilp.overlap()
-        return rounds_from(ilp, step, scales, status, report)
+        if ilp.hide_coef and _solved(status):
+            # "Overlap": re-price what may hide at the share the last plan leaves unhidden;
+            # keep the plan whose step (as emitted, where ``assess`` says) is the shortest
+            step, scales = ilp.overlap()
+            ilp, status, report = rounds_from(ilp, step, scales, status, report)
+        if report is None and _solved(status):  # (no budget: the kept plan's, measured once)
+            report = ilp.evaluate(lives.now)
+        return ilp, status, report
 
     def rounds_from(
         ilp: IlpBuilder,
@@ -1905,15 +1935,20 @@ def solve(
         if held is None:
             return once(ilp)
         ilp.restore(held)
+        if budget is None:
+            return status, None
         report = ilp.evaluate(lives.now)
-        if budget is not None and _new_cuts(ilp, report, budget):
+        if _new_cuts(ilp, report, budget):
             return once(ilp)
         return status, report
 
     def once(ilp: IlpBuilder) -> tuple[int, MemoryReport | None]:
+        """A solve in place: its status and, under a budget, the step memory of its plan
+        (passes/memory). Without one, no report: the rounds compare their steps' lengths
+        alone, and ``attempt`` measures the plan it keeps (each is linear in the step's
+        nodes)."""
         if budget is None:
-            status = _run(ilp, time_limit_s, mip_gap)
-            return status, ilp.evaluate(lives.now) if _solved(status) else None
+            return _run(ilp, time_limit_s, mip_gap), None
         return _bounded(ilp, lives, budget, time_limit_s, mip_gap)
 
     t0 = time.perf_counter()

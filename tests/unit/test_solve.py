@@ -292,6 +292,28 @@ def test_a_held_solution_is_read_after_a_later_solve():
     assert ilp.value(later) == 0.0 and ilp.choice() == first
 
 
+def test_what_is_read_of_a_held_solution_is_made_once_per_solution():
+    # the overlap rounds read a round's choice and overlap two or three times each (the
+    # memory check, the step's length, the plan): made once while the solution is held
+    space = _space(batch=64, hidden=1024, ffn=4096, data_parallel=False)
+    ilp = build_ilp(space, get_profile("h100"), solver="HIGHS")
+    assert solve_pass._solved(solve_pass._run(ilp, 60, 0.0))
+    held = ilp.held  # a solve in place holds its solution
+    assert held is not None
+    first, step = ilp.choice(), ilp.overlap()
+    assert ilp.choice() is first and ilp.overlap() is step
+    ilp.objective({**ilp.coef, **{v: 1e9 for v in ilp.x["h"][first["h"]]}})
+    assert solve_pass._solved(solve_pass._run(ilp, 60, 0.0))
+    second = ilp.choice()
+    assert second is not first and second["h"] != first["h"]
+    ilp.restore(held)
+    before = ilp.choice()
+    assert before is not first and before == first  # (made again, the same)
+    ilp.lp.BoolVar("r_later")  # a variable added: what is read may change, made again
+    again = ilp.choice()
+    assert again is not before and again == first and ilp.choice() is again
+
+
 @pytest.fixture(scope="module")
 def llama_layer() -> StrategySpace:
     """One Llama layer in bf16 with float32 gradients (``reduce_dtype``) on 4 CPU ranks:
