@@ -38,8 +38,10 @@ What is measured, each after warm-up:
                         kernels whose time alone is taken off), the mean of the calls (a
                         step pays every call: on gloo over a VM's cores a sub-ms call
                         takes a scheduler tick, 4 ms, one time in five or so, and its mean
-                        is 2-3x its median), as ``median_of_means``; the model of
-                        cost_models.comm,
+                        is 2-3x its median), as ``median_of_means``; on the CPU in three
+                        passes spread over the calibration, each sample the median of
+                        its passes (``LINK_PASSES``: a pass moves with the machine's
+                        minute); the model of cost_models.comm,
                         ``t = o + steps(kind, n) a + factor(kind, n) S / bw``, is fitted to
                         them by least squares over relative errors with o, a, 1/bw >= 0
                         (``fit_link``), giving ``collective_overhead``,
@@ -867,6 +869,32 @@ LARGER = 16
 """How many times larger the messages are when the first sizes' times do not grow with
 size (``measure_link``)."""
 
+LINK_PASSES = {"cpu": 3, "cuda": 1, "quick": 1}
+"""Passes of ``measure_collectives`` a calibration pools (``pool_samples``), spread over it.
+
+NOTE: on gloo over a 2-core VM a pass's collectives move together with the machine's
+minute: five passes back to back gave a 4 KiB all-gather 0.86 to 1.93 ms (each sample the
+median of 30 calls' means), and the profile fitted to each priced a 9 KiB one 1.08 to
+1.83 ms (1.69x apart; the other kinds 1.40-1.43x). A collective's cost in the fit is not
+what moves: fitted per kind (a fixed cost and a bandwidth each), the same passes spread as
+much (1.37-1.99x). The median of three passes, over the ten ways to draw three of the five,
+spread 1.10-1.24x. NCCL's collectives do not move so: one pass there."""
+
+
+def pool_samples(passes: Sequence[Sequence[Sample]]) -> list[Sample]:
+    """Each sample's median time over ``passes`` of ``measure_collectives`` (of the same
+    kinds, rank counts and sizes, in the same order)."""
+    if not passes:
+        raise ValueError("no pass of collective samples to pool")
+    first = passes[0]
+    for other in passes[1:]:
+        if [s[:3] for s in other] != [s[:3] for s in first]:
+            raise ValueError("the passes measured different collectives")
+    return [
+        (k, n, b, statistics.median(p[i][3] for p in passes))
+        for i, (k, n, b, _) in enumerate(first)
+    ]
+
 
 def measure_link(
     nproc: int,
@@ -875,18 +903,24 @@ def measure_link(
     *,
     device_type: str = "cpu",
     log: Callable[[str], None] = lambda _: None,
+    measured: Sequence[Sequence[Sample]] = (),
 ) -> tuple[list[Sample], tuple[float, float, float]]:
-    """``measure_collectives`` and ``fit_link`` of it. Where the times do not grow with
-    size (on a busy machine a few MB's transfer can sit inside the noise of a collective's
-    fixed cost: a quick calibration beside a test run), measured once more with messages
-    ``LARGER`` times larger, and those samples are the ones fitted and returned."""
-    samples = measure_collectives(nproc, sizes, reps, device_type=device_type)
+    """``measure_collectives`` and ``fit_link`` of it: of the passes ``measured`` already
+    (of ``sizes``) pooled (``pool_samples``), else of one measured here. Where the times do
+    not grow with size (on a busy machine a few MB's transfer can sit inside the noise of a
+    collective's fixed cost: a quick calibration beside a test run), measured again with
+    messages ``LARGER`` times larger, as many passes back to back, and those samples are
+    the ones fitted and returned."""
+    passes = list(measured) or [measure_collectives(nproc, sizes, reps, device_type=device_type)]
+    samples = pool_samples(passes)
     try:
         return samples, fit_link(samples)
     except ValueError as e:
         larger = [s * LARGER for s in sizes]
         log(f"{e}; measuring {larger[0]}..{larger[-1]} bytes")
-    samples = measure_collectives(nproc, larger, reps, device_type=device_type)
+    samples = pool_samples(
+        [measure_collectives(nproc, larger, reps, device_type=device_type) for _ in passes]
+    )
     return samples, fit_link(samples)
 
 
@@ -991,6 +1025,18 @@ def calibrate(
             f"({'one per GPU' if local is not None else 'gloo processes'})"
         )
     sizes, seqs, coll_sizes, reps, spread = _PLANS["quick" if quick else dev.type]
+    # the link's passes (``LINK_PASSES``): one first, one between the kernels' measurements,
+    # the rest where the link is fitted, so that they see the machine at different minutes
+    link_passes: list[list[Sample]] = []
+    passes = LINK_PASSES["quick" if quick else dev.type] if nproc > 1 else 0
+
+    def link_pass() -> None:
+        if len(link_passes) < passes:
+            link_passes.append(
+                measure_collectives(nproc, coll_sizes, 6 * reps, device_type=dev.type)
+            )
+
+    link_pass()
     threads = torch.get_num_threads()
     if dev.type == "cpu":
         torch.set_num_threads(1)  # as a rank of the local launcher computes
@@ -1020,6 +1066,7 @@ def calibrate(
         if dev.type == "cuda":  # what the step's elementwise kernels reach at a layer's size
             bandwidth = by_size[max(i for i, n in enumerate(sizes_by) if n <= ELEMENTWISE)][1]
             log(f"memory bandwidth {bandwidth / 1e9:.1f} GB/s (elementwise, bf16)")
+        link_pass()
         rates, peaks = [], []
         for dtype_name in _DTYPES:
             dtype = getattr(torch, dtype_name)
@@ -1056,13 +1103,15 @@ def calibrate(
     scale = base_profile.collective_scale
     if nproc > 1:  # one rank has no link to measure (a one-GPU machine): the base's
         # collectives vary most from call to call (a peer and threads sharing the cores)
+        while len(link_passes) < passes:
+            link_pass()
         samples, (overhead, latency, link_bw) = measure_link(
-            nproc, coll_sizes, 6 * reps, device_type=dev.type, log=log
+            nproc, coll_sizes, 6 * reps, device_type=dev.type, log=log, measured=link_passes
         )
         scale = kind_scales(samples, overhead, latency, link_bw)
         errors = link_errors(samples, overhead, latency, link_bw, scale)
         log(
-            f"collectives on {nproc} ranks: overhead {overhead * 1e6:.1f} us, step latency "
+            f"collectives on {nproc} ranks (the median of {len(link_passes)} passes): overhead {overhead * 1e6:.1f} us, step latency "
             f"{latency * 1e6:.1f} us, bandwidth {link_bw / 1e9:.2f} GB/s, by kind x "
             + ", ".join(f"{k} {f:.2f}" for k, f in scale)
             + f" (fit error at most {max(abs(e) for e in errors):.0%})"

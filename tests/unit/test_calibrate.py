@@ -126,6 +126,26 @@ def test_a_link_whose_times_do_not_grow_is_measured_again_with_larger_messages(m
     assert asked == [[2**14, 2**18]]
 
 
+def test_the_link_is_fitted_to_each_samples_median_over_the_passes(monkeypatch):
+    # a pass moves with the machine's minute (``LINK_PASSES``): one slow pass and one fast
+    # one beside a true one give the true link, where either alone gives another
+    from autopar import calibrate
+
+    link = (300e-6, 40e-6, 2e9)
+    true = _samples(*link, ranks=(2,))
+    slow = [(k, n, b, 1.6 * t) for k, n, b, t in true]
+    fast = [(k, n, b, 0.7 * t) for k, n, b, t in true]
+    assert calibrate.pool_samples([slow, true, fast]) == true
+    assert calibrate.fit_link(slow)[0] == pytest.approx(1.6 * link[0], rel=1e-6)
+    monkeypatch.setattr(calibrate, "measure_collectives", pytest.fail)  # nothing measured
+    samples, fit = calibrate.measure_link(
+        2, sorted({s[2] for s in true}), 3, measured=[slow, fast, true]
+    )
+    assert samples == true and fit == pytest.approx(link, rel=1e-6)
+    with pytest.raises(ValueError, match="different collectives"):
+        calibrate.pool_samples([true, true[1:] + true[:1]])
+
+
 class _Device:
     """A stand-in GPU: a queue of kernels, each of known device seconds, on the host's
     clock (``time.perf_counter``); a kernel starts when the one before it ends or when the
