@@ -872,13 +872,13 @@ size (``measure_link``)."""
 LINK_PASSES = {"cpu": 3, "cuda": 1, "quick": 1}
 """Passes of ``measure_collectives`` a calibration pools (``pool_samples``), spread over it.
 
-NOTE: on gloo over a 2-core VM a pass's collectives move together with the machine's
-minute: five passes back to back gave a 4 KiB all-gather 0.86 to 1.93 ms (each sample the
-median of 30 calls' means), and the profile fitted to each priced a 9 KiB one 1.08 to
-1.83 ms (1.69x apart; the other kinds 1.40-1.43x). A collective's cost in the fit is not
-what moves: fitted per kind (a fixed cost and a bandwidth each), the same passes spread as
-much (1.37-1.99x). The median of three passes, over the ten ways to draw three of the five,
-spread 1.10-1.24x. NCCL's collectives do not move so: one pass there."""
+NOTE: on gloo over a 2-core VM a pass's samples move with the machine's minute: five
+passes back to back gave a 4 KiB all-gather 0.86 to 1.93 ms (each sample the median of 30
+calls' means), and the profile fitted to each priced a 9 KiB one 1.08 to 1.83 ms (1.69x
+apart; the other kinds 1.40-1.43x). The fit is not what moves: fitted per kind (a fixed
+cost and a bandwidth each), the same passes spread as much (1.37-1.99x). The median of
+three passes, over the ten ways to draw three of the five, spread 1.10-1.24x. On CUDA one
+pass: each is a launch of NCCL ranks, and its spread is not measured."""
 
 
 def pool_samples(passes: Sequence[Sequence[Sample]]) -> list[Sample]:
