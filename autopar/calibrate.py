@@ -1111,8 +1111,9 @@ def calibrate(
         scale = kind_scales(samples, overhead, latency, link_bw)
         errors = link_errors(samples, overhead, latency, link_bw, scale)
         log(
-            f"collectives on {nproc} ranks (the median of {len(link_passes)} passes): overhead {overhead * 1e6:.1f} us, step latency "
-            f"{latency * 1e6:.1f} us, bandwidth {link_bw / 1e9:.2f} GB/s, by kind x "
+            f"collectives on {nproc} ranks (the median of {len(link_passes)} passes): "
+            f"overhead {overhead * 1e6:.1f} us, step latency {latency * 1e6:.1f} us, "
+            f"bandwidth {link_bw / 1e9:.2f} GB/s, by kind x "
             + ", ".join(f"{k} {f:.2f}" for k, f in scale)
             + f" (fit error at most {max(abs(e) for e in errors):.0%})"
         )

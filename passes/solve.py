@@ -123,8 +123,8 @@ parallelism, 96.4 ms, never pricing the sharded weights' gathers below half; the
 round shards and gathers them, each cast to bf16 on its shard, 95.3 ms). A round's plan
 is read once per solution (``IlpBuilder._once``: its choice and overlap, which the memory
 check, the simulation and the plan each read); without a memory budget no round's step
-memory is measured, only the kept plan's. ``Solution.objective_s`` is T. On gloo there is no overlap (codegen waits for each
-collective where it is issued) and the objective is W.
+memory is measured, only the kept plan's. ``Solution.objective_s`` is T. On gloo there is
+no overlap (codegen waits for each collective where it is issued) and the objective is W.
 
 Memory. bytes(i), the bytes one rank holds after node i (passes/memory), is linear in the
 variables: a storage live at i made by output o of node v adds size(o under k) to x[v,k];
