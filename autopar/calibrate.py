@@ -53,22 +53,28 @@ What is measured, each after warm-up:
                         another algorithm);
                         with one rank (a one-GPU machine) there is no link to measure, and
                         the base profile's stays
-    host time           a chain of views run as the step runs its graph (``view_launch``);
+    host time           a chain of views run as the step runs its graph (``view_launch``),
+                        and the chain of adds above, each the mean of passes spread over
+                        the calibration (``HOST_PASSES``: an H200's host runs at one of two
+                        speeds 1.45x apart, switching within seconds, and a step pays
+                        their mix);
                         on CUDA, the host's clock apart from the device's (core/schedule):
                         the chain of adds' time per op (``host_launch``), and each op of a
                         small GPT's and (with transformers) a small Llama's training steps
                         (float32 and bf16 mixed precision) under torch's profiler, less an
                         add's time under it (the chain's, in the same profile), plus the
                         chain's, each the mean of its calls (``host_table``: a step pays
-                        its slow calls too) (``host_op_costs``, ``measure_host_ops``: a
+                        its slow calls too), in profiles ``HOST_GAP_S`` apart and averaged
+                        (``pool_tables``) (``host_op_costs``, ``measure_host_ops``: a
                         matmul's call costs about two adds', an attention's twenty or
                         more); the table moves by 10-20% from one measurement to the next
                         on an H200's host, and a host-bound step's time by as much from
                         one run to the next; then two chains of
                         tiny layers compiled by autopar and timed as a training loop steps
-                        them (on the CPU on N ranks side by side, the mean step, as
-                        ``median_of_means``: ranks beside each other take each other's
-                        cores now and then; on CUDA on one), their nodes taken off at
+                        them over the host's passes' seconds (on the CPU on N ranks side
+                        by side, the mean step, as ``median_of_means``: ranks beside each
+                        other take each other's cores now and then; on CUDA on one, the
+                        plain mean over the host's two speeds), their nodes taken off at
                         those costs: the runtime's time per step and per parameter
                         (``measure_runtime``, ``step_overhead``, ``param_overhead``);
                         on the CPU a small GPT's step (every rank the whole of it) beside
@@ -451,14 +457,23 @@ def _host_ops_models(device: torch.device) -> list[_Example]:
 
 
 def _host_ops_rank(
-    rank: int, world: int, step_op: float, view_op: float, reps: int, device_type: str
+    rank: int,
+    world: int,
+    step_op: float,
+    view_op: float,
+    reps: int,
+    device_type: str,
+    passes: int = 1,
 ) -> dict[str, float]:
     """On one rank: the host's seconds per node of each op of small training steps
     (``_host_ops_models``, float32 and bf16 mixed precision, compiled by autopar), as the
     emitted step calls it. Each op's time under the profiler less an add's (a view's, for
     an op that runs no kernel) under it too, plus ``step_op`` (``view_op``): the
     profiler's own cost per call, and the generated code's around the op, are an add's
-    (``measure_step_ops``); at least half of that (``host_table``)."""
+    (``measure_step_ops``); at least half of that (``host_table``). Measured in
+    ``passes`` profiles ``HOST_GAP_S`` apart, the steps running between them as a
+    training loop runs them, and each op's mean over the passes (``pool_tables``: the
+    host's speed moves between two modes within seconds, ``HOST_PASSES``)."""
     device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
     mesh = init_device_mesh(device_type, (world,), mesh_dim_names=("dp",))
     fns: list[Callable[[], object]] = []
@@ -479,11 +494,32 @@ def _host_ops_rank(
     chains = [_chain(device, False), _chain(device, True)]
     for fn in chains:
         fn()
-    # the chains' adds and views apart from the steps' own, in one profile
-    *steps, add_chain, view_chain = _profiled_ops(
-        fns + chains, kernel_ops | view_ops | {add, view}, device, reps
-    )
-    return host_table(steps, add_chain[add], view_chain[view], kernel_ops, step_op, view_op)
+    tables = []
+    for i in range(passes):
+        if i:  # the steps run between the profiles, as a training loop runs them
+            end = time.perf_counter() + HOST_GAP_S
+            while time.perf_counter() < end:
+                for fn in fns:
+                    fn()
+            _sync(device)
+        # the chains' adds and views apart from the steps' own, in one profile
+        *steps, add_chain, view_chain = _profiled_ops(
+            fns + chains, kernel_ops | view_ops | {add, view}, device, reps
+        )
+        tables.append(
+            host_table(steps, add_chain[add], view_chain[view], kernel_ops, step_op, view_op)
+        )
+    return pool_tables(tables)
+
+
+def pool_tables(tables: Sequence[dict[str, float]]) -> dict[str, float]:
+    """Each op's mean over the host tables of ``tables`` (passes of ``host_table``) that
+    priced it."""
+    seen: dict[str, list[float]] = {}
+    for table in tables:
+        for name, t in table.items():
+            seen.setdefault(name, []).append(t)
+    return {name: statistics.fmean(ts) for name, ts in sorted(seen.items())}
 
 
 def host_table(
@@ -514,12 +550,14 @@ def host_table(
 
 
 def measure_host_ops(
-    step_op: float, view_op: float, reps: int = 10, device_type: str = "cuda"
+    step_op: float, view_op: float, reps: int = 10, device_type: str = "cuda", passes: int = 1
 ) -> dict[str, float]:
-    """Host seconds per node by op (``_host_ops_rank``, on one rank of the local launcher):
-    ``DeviceProfile.host_op_costs``."""
+    """Host seconds per node by op (``_host_ops_rank``, on one rank of the local launcher, in
+    ``passes`` profiles): ``DeviceProfile.host_op_costs``."""
     backend = "nccl" if device_type == "cuda" else "gloo"
-    return run_local(_host_ops_rank, 1, step_op, view_op, reps, device_type, backend=backend)[0]
+    return run_local(
+        _host_ops_rank, 1, step_op, view_op, reps, device_type, passes, backend=backend
+    )[0]
 
 
 def _runtime_rank(
@@ -530,14 +568,17 @@ def _runtime_rank(
     seconds: float,
     device_type: str,
     priced: DeviceProfile | None = None,
+    groups: int = 5,
 ) -> list[tuple]:
     """On one rank: a chain of ``depth`` tiny linear layers compiled by autopar on this
     rank's mesh (kernels of a few elements, each replicated: no collective), each step timed
     as a training loop runs it (forward, backward, gradients dropped), the depths in rounds
     over at least ``seconds``; per depth ``(parameters, nodes, seconds, 0, 0)``, the nodes those
-    of the compiled graphs (``_node_ops``), the seconds the mean step (``median_of_means``:
-    as the ranks run beside each other their threads take each other's cores now and then,
-    a scheduler tick, which a loop's time per step holds at the rate it comes). With
+    of the compiled graphs (``_node_ops``), the seconds the mean step (``median_of_means`` of
+    ``groups`` runs: as the ranks run beside each other their threads take each other's
+    cores now and then, a scheduler tick, which a loop's time per step holds at the rate it
+    comes, and a rare stall is left out; with one group the plain mean, for a host whose
+    speed moves between modes over seconds, ``HOST_PASSES``). With
     ``priced`` (the profile being calibrated, so far), a small GPT too (fused attention,
     every rank running the whole step), its row's last entries the compute its plan prices
     with ``priced`` (the nodes' roofline times and calls) and the roofline part of it
@@ -580,7 +621,7 @@ def _runtime_rank(
         counts.append((len(list(pm.parameters())), _node_ops(pm), compute, _roofline_s(pm.plan)))
     dist.barrier()  # every rank compiled: they step side by side
     times = _spread_times(steps, device, reps, seconds)
-    return [(p, n, median_of_means(t), c, r) for (p, n, c, r), t in zip(counts, times)]
+    return [(p, n, median_of_means(t, groups), c, r) for (p, n, c, r), t in zip(counts, times)]
 
 
 def _roofline_s(plan) -> float:
@@ -606,14 +647,16 @@ def measure_runtime(
     device_type: str = "cpu",
     host_ops: dict[str, float] | None = None,
     priced: DeviceProfile | None = None,
+    groups: int = 5,
 ) -> tuple[float, float, float]:
     """``(step_overhead, param_overhead, roofline_scale)``: a step's host time outside its
     graph's nodes, fixed and per parameter, and how much slower its kernels run than the
     profile's curves say. Two chains of tiny layers are compiled and timed
     (``_runtime_rank``, on ``nproc`` ranks of the local launcher stepping side by side, the
-    slowest rank's); their nodes priced at ``host_ops``' time of their op, else ``step_op``
-    (``view_op`` for a view), are taken off, and the line through the two rests by
-    parameter count gives the first two terms (each at least 0), and 1 for the third.
+    slowest rank's, the mean step as ``median_of_means`` of ``groups`` runs); their nodes
+    priced at ``host_ops``' time of their op, else ``step_op`` (``view_op`` for a view),
+    are taken off, and the line through the two rests by parameter count gives the first
+    two terms (each at least 0), and 1 for the third.
 
     With ``priced`` (the CPU's profile so far), a small GPT's step is timed beside them,
     less the compute ``priced`` gives its plan and the line's two terms: what is left, over
@@ -624,7 +667,7 @@ def measure_runtime(
     time.)"""
     backend = "nccl" if device_type == "cuda" else "gloo"
     per_rank = run_local(
-        _runtime_rank, nproc, (1, 8), reps, seconds, device_type, priced, backend=backend
+        _runtime_rank, nproc, (1, 8), reps, seconds, device_type, priced, groups, backend=backend
     )
     rows = [max(model, key=lambda row: row[2]) for model in zip(*per_rank)]
     return runtime_terms(rows, step_op, view_op, host_ops or {})
@@ -881,6 +924,31 @@ three passes, over the ten ways to draw three of the five, spread 1.10-1.24x. On
 pass: each is a launch of NCCL ranks, and its spread is not measured."""
 
 
+HOST_PASSES = {"cpu": 3, "cuda": 4, "quick": 1}
+"""Passes of the host's measurements a calibration takes and averages: the chains' time
+per op and per view (``measure_step_ops``), read at points spread over the calibration;
+on CUDA the host table's profiles (``_host_ops_rank``, ``HOST_GAP_S`` apart, the steps
+running between them); and the seconds the runtime's steps are timed over, this many of
+the calibration's spread (``measure_runtime``).
+
+NOTE: an H200's host ran calibrate's chain of adds at about 8.5-9 us per op or at 12-15,
+switching within seconds on the same core, pinned or not: 40 readings 0.15 s apart were
+at 11 us or more in 2 to 27 of the 40, by the window. A host-bound step pays the mix of
+the two, so the host's terms are the mean over readings spread over the calibration, not
+one reading, which lands in either mode (one calibration read 14.05 us, where most of the
+readings beside the steps were 8-9)."""
+HOST_GAP_S = 2.0
+"""Seconds between the host table's profiles (``_host_ops_rank``), the steps running."""
+
+
+def pool_host(passes: Sequence[tuple[float, ...]]) -> tuple[float, ...]:
+    """The mean of each term over the host's ``passes`` (``HOST_PASSES``): a step runs in
+    whichever speed the host is in, and pays their mix."""
+    if not passes:
+        raise ValueError("no pass of the host's time to pool")
+    return tuple(statistics.fmean(p[i] for p in passes) for i in range(len(passes[0])))
+
+
 def pool_samples(passes: Sequence[Sequence[Sample]]) -> list[Sample]:
     """Each sample's median time over ``passes`` of ``measure_collectives`` (of the same
     kinds, rank counts and sizes, in the same order)."""
@@ -1036,18 +1104,25 @@ def calibrate(
                 measure_collectives(nproc, coll_sizes, 6 * reps, device_type=dev.type)
             )
 
+    # the host's passes (``HOST_PASSES``): the chains read first, between the kernels'
+    # measurements and after them, so that they see the host in its different speeds
+    host_passes: list[tuple[float, ...]] = []
+    host_count = HOST_PASSES["quick" if quick else dev.type]
+
+    def host_pass() -> None:
+        if len(host_passes) < host_count:
+            op, view = measure_step_ops(dev, seconds=spread)
+            # an op of a step costs at least a bare add's call, read in the same pass
+            host_passes.append((max(measure_launch(dev), op), view))
+
     link_pass()
     threads = torch.get_num_threads()
     if dev.type == "cpu":
         torch.set_num_threads(1)  # as a rank of the local launcher computes
     try:
         launch = measure_launch(dev)
-        step_op, view_op = measure_step_ops(dev, seconds=spread)
-        step_op = max(launch, step_op)
-        log(
-            f"kernel launch {launch * 1e6:.2f} us, {step_op * 1e6:.2f} us per op of a step, "
-            f"{view_op * 1e6:.2f} us per view"
-        )
+        host_pass()
+        log(f"kernel launch {launch * 1e6:.2f} us")
         # a kernel's rate is its time less the time the cost model adds per op: on the CPU
         # the call's (one clock); on CUDA the device's own time per kernel, on its clock
         floor = launch if dev.type == "cpu" else measure_kernel_floor(dev)
@@ -1067,6 +1142,7 @@ def calibrate(
             bandwidth = by_size[max(i for i, n in enumerate(sizes_by) if n <= ELEMENTWISE)][1]
             log(f"memory bandwidth {bandwidth / 1e9:.1f} GB/s (elementwise, bf16)")
         link_pass()
+        host_pass()
         rates, peaks = [], []
         for dtype_name in _DTYPES:
             dtype = getattr(torch, dtype_name)
@@ -1074,6 +1150,7 @@ def calibrate(
             rates.append(("matmul", dtype_name, curve))
             peaks.append((dtype_name, max(r for _, r in curve)))
             log(f"matmul {dtype_name}: " + ", ".join(f"{r / 1e9:.0f}" for _, r in curve) + " GF/s")
+        host_pass()
         attn_dtypes = ("float32",) if dev.type == "cpu" else ("bfloat16", "float16", "float32")
         for dtype_name in attn_dtypes:
             fwd, bwd = measure_attention(dev, getattr(torch, dtype_name), seqs, reps, floor, spread)
@@ -1081,13 +1158,22 @@ def calibrate(
             log(
                 f"attention {dtype_name}: fwd {fwd[-1][1] / 1e9:.0f}, bwd {bwd[-1][1] / 1e9:.0f} GF/s"
             )
+        while len(host_passes) < host_count:
+            host_pass()
+        step_op, view_op = pool_host(host_passes)
+        log(
+            f"{step_op * 1e6:.2f} us per op of a step, {view_op * 1e6:.2f} us per view (the "
+            f"mean of {len(host_passes)} passes: "
+            + ", ".join(f"{p[0] * 1e6:.2f}" for p in host_passes)
+            + " us per op)"
+        )
     finally:
         torch.set_num_threads(threads)
     host_ops: dict[str, float] = {}
     kernel_launch, host_launch = step_op, 0.0  # one clock (the CPU): the op's call in it
     if dev.type == "cuda":  # the host runs ahead of the device: two clocks (core/schedule)
         kernel_launch, host_launch = floor, step_op
-        host_ops = measure_host_ops(step_op, view_op, reps, dev.type)
+        host_ops = measure_host_ops(step_op, view_op, reps, dev.type, host_count)
         log(
             f"device time per kernel {kernel_launch * 1e6:.2f} us; host per node of "
             + ", ".join(f"{k} {t * 1e6:.1f}" for k, t in host_ops.items())
@@ -1143,11 +1229,12 @@ def calibrate(
         step_op,
         view_op,
         10 * reps,
-        spread,
+        host_count * spread,  # the host's passes' worth of seconds (``HOST_PASSES``)
         nproc if dev.type == "cpu" else 1,
         dev.type,
         host_ops,
         priced if dev.type == "cpu" else None,
+        groups=1 if dev.type == "cuda" else 5,  # the mean over the host's two speeds
     )
     log(
         f"runtime per step {step_overhead * 1e6:.0f} us and {param_overhead * 1e6:.1f} us "
@@ -1185,6 +1272,7 @@ def calibrate(
         "threads": 1 if dev.type == "cpu" else None,
         "step_op": step_op,
         "view_op": view_op,
+        "step_op_passes": [p[0] for p in host_passes],
         "roofline_scale": roofline_scale,
         "collectives": [
             {"kind": k, "ranks": n, "bytes": b, "seconds": t, "fit_error": e}

@@ -335,7 +335,8 @@ def test_the_host_table_prices_an_op_at_its_calls_mean_slow_calls_included():
 
 def test_the_host_time_of_each_op_of_a_step_is_measured_apart_from_an_add():
     step_op, view_op = 20e-6, 5e-6
-    table = measure_host_ops(step_op, view_op, reps=3, device_type="cpu")
+    # in two passes, ``HOST_GAP_S`` apart, averaged
+    table = measure_host_ops(step_op, view_op, reps=3, device_type="cpu", passes=2)
     # the ops a GPT's step runs, by the profiler's names, and a Llama's (transformers is a
     # test dependency): its RMSNorm's power, mean and reciprocal root, its gated MLP's silu
     gpt = {"aten::mm", "aten::addmm", "aten::native_layer_norm", "autopar::sdpa"}
@@ -345,6 +346,52 @@ def test_the_host_time_of_each_op_of_a_step_is_measured_apart_from_an_add():
     assert table["aten::add"] > step_op and table["aten::view"] >= view_op / 2
     assert all(t >= view_op / 2 for t in table.values())
     assert table["autopar::sdpa_backward"] > table["aten::t"]  # a kernel's call, a view's
+
+
+def test_the_hosts_terms_are_the_mean_of_passes_spread_over_the_calibration(monkeypatch):
+    # a host at one of two speeds (``HOST_PASSES``): read four times, between the kernels'
+    # measurements, its chains price an op at the mean of the readings, not at one
+    from autopar import calibrate
+
+    us = 1e-6
+    readings = iter(
+        [(100 * us, 2 * us), (200 * us, 4 * us), (120 * us, 2 * us), (180 * us, 4 * us)]
+    )
+    order: list[str] = []
+
+    def spy(name, fn):
+        def call(*args, **kwargs):
+            order.append(name)
+            return fn(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setitem(calibrate.HOST_PASSES, "quick", 4)
+    monkeypatch.setattr(calibrate, "measure_step_ops", spy("host", lambda *a, **k: next(readings)))
+    for name in ("measure_bandwidth_curve", "measure_matmul", "measure_attention"):
+        monkeypatch.setattr(calibrate, name, spy(name, getattr(calibrate, name)))
+    given = {}
+
+    def runtime(step_op, view_op, reps, seconds, nproc, device_type, host_ops, priced, groups):
+        given.update(step_op=step_op, view_op=view_op, groups=groups)
+        return 1e-3, 1e-5, 1.0
+
+    monkeypatch.setattr(calibrate, "measure_runtime", runtime)
+    profile, report = calibrate.calibrate(quick=True, nproc=1, device="cpu")
+    assert profile.kernel_launch == pytest.approx(150 * us) and profile.view_launch == 3 * us
+    assert given == {"step_op": profile.kernel_launch, "view_op": 3 * us, "groups": 5}
+    assert report["step_op_passes"] == pytest.approx([100 * us, 200 * us, 120 * us, 180 * us])
+    # first, after the elementwise curve, after the matmuls (four dtypes) and at the end
+    matmuls = ["measure_matmul"] * 4
+    assert order == [
+        "host", "measure_bandwidth_curve", "host", *matmuls, "host", "measure_attention", "host"
+    ]  # fmt: skip
+    # a table of ops is averaged likewise over its passes
+    tables = [{"aten::mm": 10 * us, "aten::t": 1 * us}, {"aten::mm": 20 * us}]
+    assert calibrate.pool_tables(tables) == {
+        "aten::mm": pytest.approx(15 * us),
+        "aten::t": 1 * us,
+    }
 
 
 def test_a_profile_with_a_host_clock_prices_the_host_apart_from_the_device():
