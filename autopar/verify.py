@@ -289,7 +289,8 @@ def run_measured(gm: torch.fx.GraphModule, step, model, inputs, targets):
     weights, freeing each value after its last use, under a ``LiveStorages`` probe.
     Returns the outputs and the peak bytes (the tangent counts only until it is used)."""
     params = [p.detach() for _, p in model.named_parameters(remove_duplicate=False)]
-    buffers = [b for _, b in model.named_buffers(remove_duplicate=False)]
+    own = dict(model.named_buffers(remove_duplicate=False))
+    buffers = [own[n] if n in own else step.constants[n] for n in step.buffer_names]
     tangent = [torch.ones((), dtype=step.placeholders()[-1].meta["val"].dtype)]
     tangent = tangent if step.has_loss else []
     args = [*params, *buffers, *inputs, *targets, *tangent]

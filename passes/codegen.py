@@ -976,4 +976,5 @@ def codegen(step: StepGraph, plan: Plan, dmesh) -> CompiledStep:
         collective_counts=count_collectives(local.gm, dmesh),
         mismatches=list(local.mismatches),
         graphs=dict(local.compiled),
+        constants=dict(step.constants),
     )

@@ -18,6 +18,13 @@ Buffers the forward updates in place (BatchNorm's running statistics) are graph 
 too (their new values, ``StepGraph.mutated_buffers``); the compiled step writes them back
 into the buffers, as eager PyTorch does.
 
+The step's own buffers: a loss module's (``nn.CrossEntropyLoss(weight=w)``: its class
+weight, ``loss_fn.weight``), and each tensor the step closes over that no module holds (a
+loss function's class weight from its scope; torch.export lifts it as a constant, and
+``_constants_as_buffers`` makes it a buffer of the exported step, ``lifted_tensor_0``), are
+buffer placeholders after the model's, their values in ``StepGraph.constants``: planned as
+buffers, fed by the runtime beside the model's, never in the model's state.
+
 Node meta written here (read by later passes; names in core/roles.py):
     ``autopar_role``   "param" | "buffer" | "input" | "target" | "tangent" for placeholders,
                        "forward" | "backward" for operators.
@@ -138,7 +145,8 @@ class StepGraph:
             targets, tangents in that order.
         joint: aot_autograd's ``JointWithDescriptors`` (needed to compile ``gm``).
         param_names: original model parameter names, in placeholder order.
-        buffer_names: original model buffer names, in placeholder order.
+        buffer_names: original model buffer names, in placeholder order, then the step's
+            own (``constants``).
         n_inputs / n_targets: how many user inputs and targets the step takes.
         has_loss: the step returns a scalar loss (else the model outputs).
         n_outputs: how many plain (non-gradient) outputs the step returns.
@@ -150,6 +158,10 @@ class StepGraph:
         alias_of: for a tied parameter (one tensor under several names), each later name
             -> the first name; both are graph inputs, and must be placed alike.
         trace_s: seconds spent tracing.
+        constants: the step's buffers that are not the model's, by name, with their
+            values: a loss module's (``loss_fn.weight`` of ``nn.CrossEntropyLoss(weight=w)``)
+            and each tensor the step closes over (``_constants_as_buffers``); the runtime
+            feeds them as it feeds the model's buffers.
         mp_policy: the mixed precision the step was traced under (None: none).
         reduce_at: for each gradient cast of ``mp_policy`` (the backward's cast of a
             parameter's gradient from the compute dtype to the parameter's), where the
@@ -170,6 +182,7 @@ class StepGraph:
     notes: list[str] = field(default_factory=list)
     alias_of: dict[str, str] = field(default_factory=dict)
     trace_s: float = 0.0
+    constants: dict[str, torch.Tensor] = field(default_factory=dict)
     mp_policy: MixedPrecision | None = None
     reduce_at: dict[str, str] = field(default_factory=dict)
     _fingerprint: str | None = field(default=None, init=False, repr=False, compare=False)
@@ -262,6 +275,25 @@ class _TargetAttention(TorchFunctionMode):
                 self.notes.append(note)
                 warnings.warn(note, AttentionNotLoweredWarning, stacklevel=2)
         return func(*args, **kwargs)
+
+
+def _constants_as_buffers(module: nn.Module, ep) -> None:
+    """Register each tensor the exported step closes over (``ep.constants``: torch.export
+    lifts a tensor that is neither a parameter nor a buffer, as a loss function's class
+    weight captured from its scope, or a model's plain tensor attribute) as a buffer of the
+    exported ``module``, under its name: aot_autograd takes a buffer as a graph input,
+    where it traces a constant's real tensor inside its fake tensors and fails ("convert
+    all Tensors to FakeTensors")."""
+    for name, value in ep.constants.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        path, _, attr = name.rpartition(".")
+        owner = module.get_submodule(path)
+        held = dict(owner.named_buffers(recurse=False))
+        if attr in held or not isinstance(getattr(owner, attr, None), torch.Tensor):
+            continue
+        delattr(owner, attr)
+        owner.register_buffer(attr, value)
 
 
 def _strip(name: str) -> str:
@@ -499,10 +531,19 @@ def trace_step(
             "autopar needs a model torch.export can trace (no data-dependent Python control "
             "flow, no unsupported ops); see the torch.export docs for the usual rewrites."
         ) from e
+    exported = ep.module()
+    _constants_as_buffers(exported, ep)
+    # the step's own buffers, not the model's: a loss module's, and the constants above
+    # (taken before aot_autograd, whose fake mode the stack holds open after it)
+    constants = {
+        name: b.detach()
+        for name, b in exported.named_buffers(remove_duplicate=False)
+        if not name.startswith(_PREFIX)
+    }
     try:
         joint = aot_export_joint_with_descriptors(
             stack,
-            ep.module(),
+            exported,
             args,
             decompositions=_decompositions(),
             _record_nn_module_stack=True,
@@ -586,4 +627,5 @@ def trace_step(
         notes=list(attention.notes),
         alias_of=alias_of,
         trace_s=trace_s,
+        constants=constants,
     )

@@ -29,7 +29,7 @@ as DTensor's rule for the op (or ``row_split``) gives it:
     nll_loss_backward(g, lp, t, None, ...)            g, t, total: Replicate;
                                                       lp, grad_lp: Shard(class)
         grad_lp[i, t_i - o_c] = -g_i (/ total for ``mean``) where t_i is one of my classes;
-        no collective
+        no collective (a class weight: below)
 
 Rows. A ``mean`` loss over rows split across the ranks of some axes (the batch split: lp
 and t ``Shard(0)`` there) is not the mean of the ranks' means where they ignore different
@@ -63,8 +63,15 @@ of float32 logits moves 4 C bytes a row; the count is one int64. Each is waited 
 (the op needs its result), so passes/solve adds them to the op's time
 (``_inner_collectives``) and core/schedule draws them inside it.
 
-A class weight (``weight`` not None) is not split: those calls keep DTensor's strategies
-only (less a ``mean``'s batch split, inexact too: its loss is replicated). The classes are
+A class weight w (``weight`` not None, [C]) is whole on every rank (``Replicate``): each
+rank weights the targets it picks by their class's weight, w[t_i] (indexed by the global
+class, whichever rank holds it), and a ``mean`` divides by the targets' summed weights,
+sum_i w[t_i] over the targets other than ``ignore``, in place of their count: the whole
+op's ``total``. Along the classes that sum is each rank's alone (the targets are whole
+there); along split rows it is k_r, all-reduced as the count is, in float64 (8 bytes, as
+the count's int64). The backward scales each row's -g by w[t_i]. (Weighted, the ranks'
+means differ even where every rank ignores as many targets: DTensor's batch split of a
+weighted ``mean`` is inexact with or without ignored targets.) The classes are
 split over one mesh axis at most, and only where the axis's size divides them
 (``core.placements.divides``): a vocabulary of 50257 is not split; the rows over any set
 of axes whose sizes divide them.
@@ -117,15 +124,13 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def class_dim(target, args, ndim: int) -> int | None:
     """The class dim of a call to one of ``CLASS_OPS`` whose class-split input has ``ndim``
-    dims (``args`` its arguments); None where the call is not split (a class weight)."""
+    dims (``args`` its arguments)."""
     if target == _LOG_SOFTMAX:
         return args[1] % ndim
     if target == _LOG_SOFTMAX_BACKWARD:
         return args[2] % ndim
-    if target == _NLL:
-        return None if args[2] is not None else (1 if ndim == 2 else 0)
-    if target == _NLL_BACKWARD:
-        return None if args[3] is not None else (1 if ndim == 2 else 0)
+    if target in (_NLL, _NLL_BACKWARD):
+        return 1 if ndim == 2 else 0
     return None
 
 
@@ -140,8 +145,11 @@ def class_split(target, args, in_shapes, strategies, mesh_shape) -> list[Strateg
     cdim = class_dim(target, args, len(in_shapes[split[0]]))
     if cdim is None:
         return []
+    weight = _WEIGHT_AT.get(target) if _weight(target, args) is not None else None
     out: list[Strategy] = []
     for s in strategies:
+        if weight is not None and any(p != Replicate() for p in s.ins[weight]):
+            continue  # (a class weight is whole on every rank: indexed by the global class)
         for a in range(len(mesh_shape)):
             if mesh_shape[a] == 1 or any(
                 ps is not None and ps[a] != Replicate() for ps in s.ins + s.out
@@ -173,14 +181,14 @@ def _placement(kind: str, cdim: int):
 
 def _mean_rows(target, args) -> int | None:
     """The position, among the tensor inputs, of the log-probabilities of a ``mean`` NLL
-    (forward or backward) with no class weight; None for any other call."""
+    (forward or backward); None for any other call."""
     if target == _NLL:
-        weight, reduction, pos = args[2], args[3], 0
+        reduction, pos = args[3], 0
     elif target == _NLL_BACKWARD:
-        weight, reduction, pos = args[3], args[4], 1
+        reduction, pos = args[4], 1
     else:
         return None
-    return pos if weight is None and reduction == _MEAN else None
+    return pos if reduction == _MEAN else None
 
 
 def exact(target, args, strategies: list[Strategy]) -> list[Strategy]:
@@ -194,12 +202,13 @@ def exact(target, args, strategies: list[Strategy]) -> list[Strategy]:
 
 def row_split(target, args, in_shapes, mesh_shape) -> list[Strategy]:
     """The strategies of a ``mean`` NLL, forward or backward, with its rows split over each
-    set of mesh axes whose sizes divide them (module docstring, "Rows"); ``in_shapes`` the
-    global shapes of the tensor inputs."""
+    set of mesh axes whose sizes divide them (module docstring, "Rows"), a class weight
+    replicated; ``in_shapes`` the global shapes of the tensor inputs."""
     pos = _mean_rows(target, args)
     if pos is None or len(in_shapes[pos]) != 2:
         return []
     rep = (Replicate(),) * len(mesh_shape)
+    weight = (rep,) if _weight(target, args) is not None else ()
     axes = [a for a, size in enumerate(mesh_shape) if size > 1]
     out: list[Strategy] = []
     for k in range(1, len(axes) + 1):
@@ -212,10 +221,22 @@ def row_split(target, args, in_shapes, mesh_shape) -> list[Strategy]:
             if not divides(rows, tuple(in_shapes[pos]), mesh_shape):
                 continue
             if target == _NLL:
-                out.append(Strategy(out=(on_rows(Partial("sum")), rep), ins=(rows, rows)))
+                ins = (rows, rows, *weight)
+                out.append(Strategy(out=(on_rows(Partial("sum")), rep), ins=ins))
             else:
-                out.append(Strategy(out=(rows,), ins=(rep, rows, rows, rep)))
+                out.append(Strategy(out=(rows,), ins=(rep, rows, rows, *weight, rep)))
     return out
+
+
+_WEIGHT_AT = {_NLL: 2, _NLL_BACKWARD: 3}
+"""A NLL's class weight's position among its arguments, and among its tensor inputs where
+it has one (every argument before it is a tensor)."""
+
+
+def _weight(target, args):
+    """A NLL call's class weight (its argument), None where it has none or is no NLL."""
+    at = _WEIGHT_AT.get(target)
+    return None if at is None else args[at]
 
 
 def row_axes(target, args, ins, in_shapes) -> tuple[int, ...]:
@@ -228,7 +249,8 @@ def row_axes(target, args, ins, in_shapes) -> tuple[int, ...]:
 
 
 def count_reductions(target, args, ins, in_shapes, mesh_shape) -> list[Collective]:
-    """The all-reduces of the count of a row-split ``mean`` NLL: one int64 per row axis."""
+    """The all-reduces of the count of a row-split ``mean`` NLL: one int64 per row axis (a
+    float64, the targets' summed class weights, where it has a class weight)."""
     axes = row_axes(target, args, ins, in_shapes)
     return [Collective("all_reduce", a, 8, mesh_shape[a]) for a in axes]
 
@@ -274,6 +296,17 @@ def _mine(target: torch.Tensor, ignore_index: int, offset: int, classes: int):
     return mine, torch.where(mine, local, 0)
 
 
+def _target_weights(weight, target: torch.Tensor, ignore_index: int) -> torch.Tensor | None:
+    """Each target's class weight (``weight`` indexed by the target's class, whichever rank
+    holds it: the weight is whole on every rank), 0 where the target is ignored; None
+    without a weight."""
+    if weight is None:
+        return None
+    kept = target != ignore_index
+    w = weight[torch.where(kept, target, 0)]
+    return torch.where(kept, w, torch.zeros_like(w))
+
+
 def run_local(target, args, offset: int = 0, group: str = "", count_groups: tuple = ()):
     """One split call on this rank's classes and rows (module docstring): ``offset`` its
     first class and ``group`` the classes' axis's process group name (0 and unused where
@@ -295,15 +328,20 @@ def run_local(target, args, offset: int = 0, group: str = "", count_groups: tupl
         total = _all_reduce(gf.sum(dim, keepdim=True), "sum", group)
         return (gf - out.to(acc).exp() * total).to(input_dtype)
     if target == _NLL:
-        lp, t, _, reduction, ignore_index = args
+        lp, t, weight, reduction, ignore_index = args
         cdim = 1 if lp.dim() == 2 else 0
         mine, idx = _mine(t, ignore_index, offset, lp.shape[cdim])
         picked = lp.gather(cdim, idx.unsqueeze(cdim)).squeeze(cdim)
+        w = _target_weights(weight, t, ignore_index)
+        if w is not None:
+            picked = picked * w.to(picked.dtype)
         result = torch.where(mine, -picked, torch.zeros_like(picked))
         if reduction == 0 and lp.dim() > 1:
             return result, lp.new_zeros(())
-        count = (t != ignore_index).sum()
-        for name in count_groups:  # the rows' count, over the axes that split them
+        # the targets' count, or their summed class weights (in float64: 8 bytes, as the
+        # count's), over the axes that split the rows
+        count = (t != ignore_index).sum() if w is None else w.to(torch.float64).sum()
+        for name in count_groups:
             count = _all_reduce(count, "sum", name)
         acc = acc_dtype(lp.dtype)
         if reduction == _SUM:
@@ -312,11 +350,14 @@ def run_local(target, args, offset: int = 0, group: str = "", count_groups: tupl
             result = (result.to(acc).sum() / count.to(acc)).to(lp.dtype)
         return result, count.to(lp)
     if target == _NLL_BACKWARD:
-        g, lp, t, _, reduction, ignore_index, total = args
+        g, lp, t, weight, reduction, ignore_index, total = args
         cdim = 1 if lp.dim() == 2 else 0
         mine, idx = _mine(t, ignore_index, offset, lp.shape[cdim])
         if reduction == _MEAN:
             g = g / total
+        w = _target_weights(weight, t, ignore_index)
+        if w is not None:
+            g = g * w.to(g.dtype)
         value = torch.where(mine, -g, torch.zeros_like(g)).to(lp.dtype)
         value = value.expand(idx.shape)
         return torch.zeros_like(lp).scatter(cdim, idx.unsqueeze(cdim), value.unsqueeze(cdim))

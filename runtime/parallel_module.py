@@ -9,7 +9,9 @@ The boundary, as torch's own parallelism (FSDP2, ``parallelize_module``) draws i
   on the device mesh, registered under the model's own name in a tree of empty modules
   that mirrors the model's (so ``named_parameters()``, ``state_dict()`` and
   ``load_state_dict()`` use the model's keys, and torch's checkpoint helpers find them);
-  buffers are DTensors the same way;
+  buffers are DTensors the same way; the step's own buffers, which are not the model's (a
+  loss module's class weight, a tensor the step closes over: ``CompiledStep.constants``),
+  are DTensors held apart, so that the module's names and state are the model's alone;
 - a call hands the compiled step the local tensors (``local_tensors``: one autograd node
   for every parameter, differentiable):
   the step runs on local shards with the collectives the plan chose, and the gradient of
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -125,11 +128,25 @@ class ParallelModule(nn.Module):
         self._input_placements = plan.input_placements
         self._input_shapes = list(compiled.input_shapes)
         self._mirror(model, local_values or {})
+        # the step's own buffers (a loss module's, a tensor the step closes over), placed
+        # as planned: held apart, so that the module's names and state are the model's
+        placements = {**plan.param_placements, **plan.buffer_placements}
+        self._constants = SimpleNamespace(
+            **{
+                f"c{i}": self._distribute(name, value, placements, {})
+                for i, (name, value) in enumerate(compiled.constants.items())
+            }
+        )
+        self._constant_slots = {
+            n: (self._constants, f"c{i}") for i, n in enumerate(compiled.constants)
+        }
         # where each name the step takes lives: (module of the mirror, attribute)
         self._param_slots = [self._slot(n) for n in self._param_names]
         self._buffer_slots = [self._slot(n) for n in self._buffer_names]
 
-    def _slot(self, name: str) -> tuple[nn.Module, str]:
+    def _slot(self, name: str) -> tuple[object, str]:
+        if name in self._constant_slots:
+            return self._constant_slots[name]
         path, _, attr = name.rpartition(".")
         return self.get_submodule(path), attr
 

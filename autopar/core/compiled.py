@@ -32,6 +32,9 @@ class CompiledStep:
         mismatches: ops that ran with another placement than planned (each redistributed).
         graphs: the forward and backward graphs ``fn`` runs (``"forward"``, ``"backward"``),
             as aot_autograd partitioned ``gm``.
+        constants: the buffers among ``buffer_names`` that are not the model's, with their
+            values (passes/trace ``StepGraph.constants``: a loss module's, a tensor the
+            step closes over); the runtime holds them beside the model's.
     """
 
     fn: Callable
@@ -44,3 +47,4 @@ class CompiledStep:
     collective_counts: dict[tuple[str, str], int] = field(default_factory=dict)
     mismatches: list[str] = field(default_factory=list)
     graphs: dict[str, torch.fx.GraphModule] = field(default_factory=dict)
+    constants: dict[str, torch.Tensor] = field(default_factory=dict)

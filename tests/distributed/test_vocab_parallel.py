@@ -47,6 +47,24 @@ def odd_head(batch: int = 2):
     return model, inputs, loss_fn, (targets,)
 
 
+CLASS_WEIGHT = 0.5 + torch.rand(VOCAB - 1, generator=torch.Generator().manual_seed(5))
+
+
+def _class_weighted(out, targets):
+    """A class-weighted cross entropy on a Hugging Face model's logits, its weight a tensor
+    it closes over (no module's buffer: the step's own, passes/trace)."""
+    logits = out.logits.flatten(0, 1)
+    weight = CLASS_WEIGHT.to(logits.dtype)
+    return torch.nn.functional.cross_entropy(logits, targets.flatten(), weight=weight)
+
+
+def weighted_head(batch: int = 2):
+    """``odd_head`` with a class-weighted loss: the rows' weights, not their count, divide
+    the mean, and they differ from one sequence to the other."""
+    model, inputs, _, targets = odd_head(batch)
+    return model, inputs, _class_weighted, targets
+
+
 def _plan(mesh_shape, axes, constraints=None, example=EXAMPLE) -> Plan:
     torch.manual_seed(0)
     model, inputs, loss_fn, targets = build_example(example, batch=2)
@@ -114,6 +132,21 @@ def test_batch_split_mean_loss_counts_every_ranks_targets():
     assert (nll.ins[0], nll.out[0], nll.out[1]) == (("S(0)",), ("P(sum)",), ("R",)), nll
     count = [c for c in plan.collectives if c["edge"] == "nll_loss_forward->nll_loss_forward"]
     assert [(c["kind"], c["nbytes"]) for c in count] == [("all_reduce", 8)], count
+    _check(plan, verify(example, (2,), ("dp",), plan_json=plan.to_json(timings=True), batch=2))
+
+
+def test_a_class_weighted_mean_loss_splits_its_rows_over_the_batch():
+    """Data parallel with a class weight: each rank's weighted sum over both sequences'
+    summed weights (all-reduced in float64 inside the NLL), the weight whole on each rank;
+    without it the plan gathered the logits (a weighted mean had no exact split)."""
+    example = f"{__file__}:weighted_head"
+    plan = _plan((2,), ("dp",), {"input:*": "S(0)", "*": "R"}, example)
+    nll = plan.nodes["nll_loss_forward"]
+    assert (nll.ins[0], nll.ins[2], nll.out[0]) == (("S(0)",), ("R",), ("P(sum)",)), nll
+    assert plan.nodes["nll_loss_backward"].ins[1] == ("S(0)",)
+    count = [c for c in plan.collectives if c["edge"] == "nll_loss_forward->nll_loss_forward"]
+    assert [(c["kind"], c["nbytes"]) for c in count] == [("all_reduce", 8)], count
+    assert "lifted_tensor_0" in plan.buffers  # the weight: the step's own buffer
     _check(plan, verify(example, (2,), ("dp",), plan_json=plan.to_json(timings=True), batch=2))
 
 

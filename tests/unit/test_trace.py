@@ -43,6 +43,37 @@ def test_meta_model_traces_forward_and_backward():
     assert any(n.meta.get("autopar_role") == "backward" for n in step.gm.graph.nodes)
 
 
+@pytest.mark.parametrize("meta", [False, True])
+def test_a_class_weight_the_loss_holds_or_closes_over_is_a_buffer_of_the_step(meta):
+    """``nn.CrossEntropyLoss(weight=w)`` as the loss (its buffer), or a loss function that
+    closes over ``w`` (a constant torch.export lifts, which aot_autograd's fake trace could
+    not take: "convert all Tensors to FakeTensors"): either way the weight is a buffer
+    placeholder after the model's, read by the loss, its value in ``StepGraph.constants``
+    (the runtime feeds it); on a meta model too."""
+    weight = torch.rand(8) + 0.5
+
+    def closed_over(out, y):
+        return nn.functional.cross_entropy(out, y, weight=weight)
+
+    for loss_fn, name in ((nn.CrossEntropyLoss(weight=weight), "loss_fn.weight"),
+                          (closed_over, "lifted_tensor_0")):  # fmt: skip
+        with torch.device("meta" if meta else "cpu"):
+            model = MLP()
+        x, y = torch.randn(8, 16), torch.randint(0, 8, (8,))
+        if meta:
+            x = x.to("meta")
+        step = _trace(model, (x,), loss_fn, (y,))
+        assert step.buffer_names == [name], step.buffer_names
+        assert list(step.constants) == [name]
+        torch.testing.assert_close(step.constants[name], weight)
+        (buffer,) = [n for n in step.placeholders() if n.meta["autopar_role"] == "buffer"]
+        nll = [u for u in buffer.users if "nll_loss" in str(u.target)]
+        assert {str(u.target) for u in nll} == {
+            "aten.nll_loss_forward.default",
+            "aten.nll_loss_backward.default",
+        }
+
+
 class _DataDependent(nn.Module):
     def __init__(self):
         super().__init__()

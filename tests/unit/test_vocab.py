@@ -2,8 +2,9 @@
 process: each rank's share of the NLL and of its backward, summed over the ranks (or
 concatenated along the classes), equals the op on the whole classes; the split softmax, its
 reductions standing in for the all-reduce, equals torch's. A mean over rows split across
-ranks (passes/vocab, "Rows") divides each rank's sum by every rank's count of targets. The
-ops on a real process group are tests/distributed/test_vocab_parallel.py."""
+ranks (passes/vocab, "Rows") divides each rank's sum by every rank's count of targets (by
+their summed class weights, with a class weight). The ops on a real process group are
+tests/distributed/test_vocab_parallel.py."""
 
 import contextlib
 
@@ -36,13 +37,21 @@ def _shares(x: torch.Tensor, dim: int) -> list[tuple[int, torch.Tensor]]:
     return [(r * size, x.narrow(dim, r * size, size)) for r in range(RANKS)]
 
 
+def _weight(weighted: bool) -> torch.Tensor | None:
+    """A class weight of every class (a weighted cross-entropy's ``weight``), or None."""
+    if not weighted:
+        return None
+    return torch.rand(C, dtype=torch.float64, generator=torch.Generator().manual_seed(2)) + 0.5
+
+
+@pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("reduction", [0, 1, 2])  # none, mean, sum
-def test_nll_forward_shares_sum_to_the_whole_loss(reduction):
+def test_nll_forward_shares_sum_to_the_whole_loss(reduction, weighted):
     lp = torch.randn(N, C, dtype=torch.float64).log_softmax(1)
-    t = _targets()
-    want, want_total = aten.nll_loss_forward(lp, t, None, reduction, IGNORE)
+    t, w = _targets(), _weight(weighted)
+    want, want_total = aten.nll_loss_forward(lp, t, w, reduction, IGNORE)
     got = [
-        vocab.run_local(aten.nll_loss_forward.default, (x, t, None, reduction, IGNORE), o)
+        vocab.run_local(aten.nll_loss_forward.default, (x, t, w, reduction, IGNORE), o)
         for o, x in _shares(lp, 1)
     ]
     torch.testing.assert_close(sum(g[0] for g in got), want)
@@ -76,6 +85,57 @@ def test_mean_over_split_rows_is_the_loss_where_ranks_ignore_different_counts(mo
     torch.testing.assert_close(torch.cat(local), grad)
 
 
+def test_a_weighted_mean_over_split_rows_divides_by_every_ranks_summed_weights(monkeypatch):
+    """A class weight, rows split over 2 ranks that ignore no target: the ranks' weighted
+    means average to another loss (their summed weights differ), where each rank's
+    weighted sum over every rank's summed weights sums to the loss; and with the classes
+    split too, each rank's share of its rows sums to the same."""
+    lp = torch.randn(N, C, dtype=torch.float64).log_softmax(1)
+    t = torch.randint(0, C, (N,), generator=torch.Generator().manual_seed(3))
+    w = _weight(True)
+    rows = [(lp[: N // 2], t[: N // 2]), (lp[N // 2 :], t[N // 2 :])]
+    summed = [float(w[tr].sum()) for _, tr in rows]
+    assert abs(summed[0] - summed[1]) > 0.1
+    # the summed weights' all-reduce over the rows' axis: float64, every rank's summed
+    seen = []
+
+    def all_reduce(x, op, group):
+        seen.append(x.dtype)
+        return x.new_tensor(sum(summed))
+
+    monkeypatch.setattr(vocab, "_all_reduce", all_reduce)
+    want, want_total = aten.nll_loss_forward(lp, t, w, 1, IGNORE)
+    op = aten.nll_loss_forward.default
+    got = [vocab.run_local(op, (x, tr, w, 1, IGNORE), 0, "", ("rows",)) for x, tr in rows]
+    assert seen == [torch.float64, torch.float64]
+    torch.testing.assert_close(sum(g[0] for g in got), want)
+    for _, total in got:
+        torch.testing.assert_close(total, want_total)
+    means = [aten.nll_loss_forward(x, tr, w, 1, IGNORE)[0] for x, tr in rows]
+    assert abs(float(sum(means) / 2 - want)) > 1e-3  # what averaging the ranks' means gives
+    both = [
+        vocab.run_local(op, (xc, tr, w, 1, IGNORE), o, "", ("rows",))[0]
+        for x, tr in rows
+        for o, xc in _shares(x, 1)
+    ]
+    torch.testing.assert_close(sum(both), want)
+    # the backward on each rank's rows and classes, with the whole total, is the gradient's
+    g = torch.randn((), dtype=torch.float64)
+    grad = aten.nll_loss_backward(g, lp, t, w, 1, IGNORE, want_total)
+    back = aten.nll_loss_backward.default
+    local = [
+        torch.cat(
+            [
+                vocab.run_local(back, (g, xc, tr, w, 1, IGNORE, want_total), o)
+                for o, xc in _shares(x, 1)
+            ],
+            1,
+        )
+        for x, tr in rows
+    ]
+    torch.testing.assert_close(torch.cat(local), grad)
+
+
 def test_row_split_replaces_the_average_of_the_ranks_means():
     r, s0, s1 = Replicate(), Shard(0), Shard(1)
     op, back = aten.nll_loss_forward.default, aten.nll_loss_backward.default
@@ -98,9 +158,14 @@ def test_row_split_replaces_the_average_of_the_ranks_means():
     backward = vocab.row_split(back, (None, None, None, None, 1, IGNORE, None),
                                [(), (N, C), (N,), ()], (2, 1))  # fmt: skip
     assert [s.text() for s in backward] == ["(R,R) (S(0),R) (S(0),R) (R,R) -> (S(0),R)"]
-    # a sum, a class weight, rows the ranks do not divide, a single row: DTensor's rules
+    # a class weight, whole on every rank (module docstring)
+    heavy = vocab.row_split(op, weighted, [(N, C), (N,), (C,)], (2,))
+    assert [s.text() for s in heavy] == ["(S(0)) (S(0)) (R) -> (P(sum)) (R)"]
+    heavy_back = vocab.row_split(back, (None, None, None, object(), 1, IGNORE, None),
+                                 [(), (N, C), (N,), (C,), ()], (2,))  # fmt: skip
+    assert [s.text() for s in heavy_back] == ["(R) (S(0)) (S(0)) (R) (R) -> (S(0))"]
+    # a sum, rows the ranks do not divide, a single row: DTensor's rules
     assert not vocab.row_split(op, summed, [(N, C), (N,)], (2,))
-    assert not vocab.row_split(op, (None, None, object(), 1, IGNORE), [(N, C), (N,)], (2,))
     assert not vocab.row_split(op, mean, [(N, C), (N,)], (4,))
     assert not vocab.row_split(op, mean, [(C,), ()], (2,))
     # with the classes split over the other axis, the loss is a sum over both
@@ -115,16 +180,17 @@ def test_row_split_replaces_the_average_of_the_ranks_means():
     assert vocab.row_axes(op, summed, ins, [(N, C), (N,)]) == ()
 
 
+@pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("reduction", [0, 1, 2])
-def test_nll_backward_shares_are_the_gradient_split_by_class(reduction):
+def test_nll_backward_shares_are_the_gradient_split_by_class(reduction, weighted):
     lp = torch.randn(N, C, dtype=torch.float64).log_softmax(1)
-    t = _targets()
-    total = (t != IGNORE).sum().to(lp)
+    t, w = _targets(), _weight(weighted)
+    total = aten.nll_loss_forward(lp, t, w, 1, IGNORE)[1]
     g = torch.randn(N if reduction == 0 else (), dtype=torch.float64)
-    want = aten.nll_loss_backward(g, lp, t, None, reduction, IGNORE, total)
+    want = aten.nll_loss_backward(g, lp, t, w, reduction, IGNORE, total)
     op = aten.nll_loss_backward.default
     got = [
-        vocab.run_local(op, (g, x, t, None, reduction, IGNORE, total), o) for o, x in _shares(lp, 1)
+        vocab.run_local(op, (g, x, t, w, reduction, IGNORE, total), o) for o, x in _shares(lp, 1)
     ]
     torch.testing.assert_close(torch.cat(got, 1), want)
 
@@ -162,11 +228,19 @@ def test_class_split_adds_a_strategy_per_replicated_axis():
             "(S(0),S(1)) (S(0),R) -> (P(sum),P(sum)) (R,R)",
         ]
     ), texts
-    # a class weight is not split; classes the axis does not divide are not split
+    # with a class weight, where the weight is whole on the axis: it stays whole
     weighted = (None, None, object(), 1, IGNORE)
-    assert not vocab.class_split(
-        aten.nll_loss_forward.default, weighted, [(N, C), (N,)], base, (2, 2)
+    heavy = [
+        Strategy(out=((r, r), (r, r)), ins=((r, r), (r, r), (r, r))),
+        Strategy(out=((r, r), (r, r)), ins=((r, r), (r, r), (s0, r))),  # (not whole)
+    ]
+    got = vocab.class_split(
+        aten.nll_loss_forward.default, weighted, [(N, C), (N,), (C,)], heavy, (2, 2)
     )
+    assert sorted(s.text() for s in got) == sorted(
+        ["(S(1),R) (R,R) (R,R) -> (P(sum),R) (R,R)", "(R,S(1)) (R,R) (R,R) -> (R,P(sum)) (R,R)"]
+    )
+    # classes the axis does not divide are not split
     assert not vocab.class_split(
         aten._log_softmax.default, (None, 1, False), [(N, 7)], base[:1], (2, 2)
     )
