@@ -19,11 +19,12 @@ too (their new values, ``StepGraph.mutated_buffers``); the compiled step writes 
 into the buffers, as eager PyTorch does.
 
 The step's own buffers: a loss module's (``nn.CrossEntropyLoss(weight=w)``: its class
-weight, ``loss_fn.weight``), and each tensor the step closes over that no module holds (a
-loss function's class weight from its scope; torch.export lifts it as a constant, and
-``_constants_as_buffers`` makes it a buffer of the exported step, ``lifted_tensor_0``), are
-buffer placeholders after the model's, their values in ``StepGraph.constants``: planned as
-buffers, fed by the runtime beside the model's, never in the model's state.
+weight, ``loss_fn.weight``), and each tensor the step reads that is neither a parameter
+nor a buffer (a loss function's class weight from its scope, ``lifted_tensor_0``; a
+model's plain tensor attribute, under its name; torch.export lifts them as constants, and
+``_constants_as_buffers`` makes them buffers of the exported step), are buffer
+placeholders, their values in ``StepGraph.constants``: planned as buffers, fed by the
+runtime beside the model's, never in the model's state.
 
 Node meta written here (read by later passes; names in core/roles.py):
     ``autopar_role``   "param" | "buffer" | "input" | "target" | "tangent" for placeholders,
@@ -145,8 +146,8 @@ class StepGraph:
             targets, tangents in that order.
         joint: aot_autograd's ``JointWithDescriptors`` (needed to compile ``gm``).
         param_names: original model parameter names, in placeholder order.
-        buffer_names: original model buffer names, in placeholder order, then the step's
-            own (``constants``).
+        buffer_names: original model buffer names and the step's own (``constants``), in
+            placeholder order.
         n_inputs / n_targets: how many user inputs and targets the step takes.
         has_loss: the step returns a scalar loss (else the model outputs).
         n_outputs: how many plain (non-gradient) outputs the step returns.
@@ -533,12 +534,14 @@ def trace_step(
         ) from e
     exported = ep.module()
     _constants_as_buffers(exported, ep)
-    # the step's own buffers, not the model's: a loss module's, and the constants above
-    # (taken before aot_autograd, whose fake mode the stack holds open after it)
+    # the step's own buffers, not the model's: a loss module's, and the constants above,
+    # the model's plain tensor attributes among them (taken before aot_autograd, whose fake
+    # mode the stack holds open after it)
+    own = {_PREFIX + n for n, _ in model.named_buffers(remove_duplicate=False)}
     constants = {
-        name: b.detach()
+        _strip(name): b.detach()
         for name, b in exported.named_buffers(remove_duplicate=False)
-        if not name.startswith(_PREFIX)
+        if name not in own
     }
     try:
         joint = aot_export_joint_with_descriptors(

@@ -1,7 +1,9 @@
 """Codegen on a two-matmul model: the collectives the local graph emits, and their count;
 on a small GPT planned as FSDP for a GPU, where the CUDA emission places its gradient
 buckets' waits and its reshards issued ahead; and on a small GPT planned as Megatron, the
-views to a tensor's own shape that DTensor's dispatch leaves, dropped from the local graph.
+views to a tensor's own shape that DTensor's dispatch leaves, dropped from the local graph;
+and the step's own buffers (a class weight the loss holds or closes over, a model's plain
+tensor attribute), fed by the runtime beside the model's.
 
 One process: a fake process group (torch's testing backend, which records collectives and
 moves no data) stands behind a 2-rank mesh; codegen only traces the local graph.
@@ -383,3 +385,47 @@ def test_an_identity_view_is_kept_where_the_graph_outputs_it_or_an_op_writes_it(
     names = {n.name for n in gm.graph.nodes}
     assert same.name not in names and {reshaped.name, written.name, out.name} <= names
     assert read.args[0] is x
+
+
+class _Scaled(nn.Module):
+    """A linear layer times a plain tensor attribute: neither a parameter nor a buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 6)
+        self.scale = torch.arange(6.0) + 1
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+
+def test_the_steps_own_buffers_are_fed_beside_the_models_and_kept_out_of_its_state(tp_mesh):
+    """A model's plain tensor attribute, a class weight the loss closes over, and one a
+    loss module holds (passes/trace: the step's own buffers) are fed by the runtime as the
+    model's buffers are: the compiled step's loss and gradients are the model's, and the
+    module's names and state are the model's alone."""
+    weight = torch.rand(6, generator=torch.Generator().manual_seed(0)) + 0.5
+    x, y = torch.randn(4, 8), torch.randint(0, 6, (4,))
+
+    def closed_over(out, t):
+        return nn.functional.cross_entropy(out, t, weight=weight)
+
+    for loss_fn in (closed_over, nn.CrossEntropyLoss(weight=weight)):
+        torch.manual_seed(0)
+        model = _Scaled()
+        want = loss_fn(model(x), y)
+        want.backward()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            kw = dict(loss_fn=loss_fn, example_targets=(y,))
+            mesh = autopar.Mesh((2,), ("tp",), device="cpu")
+            plan = autopar.plan(model, mesh, (x,), constraints={"*": "R", "input:*": "R"}, **kw)
+            pm = autopar.compile(model, tp_mesh, (x,), plan=plan, **kw)
+        assert set(pm.compiled.constants) >= {"scale"} and len(pm.compiled.constants) == 2
+        assert set(pm.state_dict()) == set(model.state_dict())
+        assert [n for n, _ in pm.named_buffers()] == [n for n, _ in model.named_buffers()]
+        loss = pm(*pm.shard_inputs(x, y))  # replicated: no collective, the whole step here
+        torch.testing.assert_close(loss, want)
+        loss.backward()
+        for name, p in pm.named_parameters():
+            torch.testing.assert_close(p.grad.full_tensor(), model.get_parameter(name).grad)
