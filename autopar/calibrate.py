@@ -932,11 +932,12 @@ running between them); and the seconds the runtime's steps are timed over, this 
 the calibration's spread (``measure_runtime``).
 
 NOTE: an H200's host ran calibrate's chain of adds at about 8.5-9 us per op or at 12-15,
-switching within seconds on the same core, pinned or not: 40 readings 0.15 s apart were
-at 11 us or more in 2 to 27 of the 40, by the window. A host-bound step pays the mix of
-the two, so the host's terms are the mean over readings spread over the calibration, not
-one reading, which lands in either mode (one calibration read 14.05 us, where most of the
-readings beside the steps were 8-9)."""
+switching within seconds on the same core, pinned or not (40 readings 0.15 s apart were
+at 11 us or more in 2 to 27 of the 40, by the window), or holding one speed for longer
+(benchmarks/cost_fidelity). A host-bound step pays the mix of the two, so the host's
+terms are the mean over readings spread over the calibration, not one reading, which
+lands in either mode (one calibration read 14.05 us, where most of the readings beside
+the steps were 8-9; one calibration's four passes read 13.33, 14.16, 13.56 and 9.21)."""
 HOST_GAP_S = 2.0
 """Seconds between the host table's profiles (``_host_ops_rank``), the steps running."""
 

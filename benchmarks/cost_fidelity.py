@@ -39,15 +39,18 @@ on that GPU (``--gpu-profile``, else ``autopar calibrate`` runs there first) and
 comparison, with the built-in ``h100`` profile. Target: predicted within 15% of measured
 with the calibrated profile. The measured step is the mean over ``--gpu-seconds`` (6) of
 steps, the least and the most of its ``GPU_WINDOWS`` windows' means beside it: a host-bound
-step's time moves with the host, whose speed has two modes 1.45x apart that switch within
-seconds (``autopar.calibrate.HOST_PASSES``), so a step pays their mix; the same plan
-measured 12.1 ms in one 2 s window and 10.8 ms in the next run's. Beside the totals, the
-step's time by kind of kernel, predicted (the schedule's compute spans by op) against
-measured (``torch.profiler``'s CUDA kernels by name, over a few steps): matmul, attention,
-and the rest; the time the GPU sat idle (measured), and the host's time the plan predicts
-(the runtime's at the step's start and end, and each node's call: core/schedule's host
-clock, where the calibrated profile runs the host apart from the device). ``--gpu-only``
-skips the gloo table.
+step's time moves with the host, whose speed has two modes 1.45x apart
+(``autopar.calibrate.HOST_PASSES``), so a step pays their mix; the same plan measured 12.1
+ms in one 2 s window and 10.8 ms in the next run's. NOTE: a slow spell of an H200's host
+can outlast the 6 s: a bf16 GPT's step measured 23.6 ms over one launch's 6 s (every
+window 23.0-24.3) and 18.6 ms over the next run's, where its 1 s windows ranged 13.8-20.6
+ms over three launches of 14 s; a host-bound row is judged on one launch. Beside the
+totals, the step's time by kind of kernel, predicted (the schedule's compute spans by op)
+against measured (``torch.profiler``'s CUDA kernels by name, over a few steps): matmul,
+attention, and the rest; the time the GPU sat idle (measured), and the host's time the
+plan predicts (the runtime's at the step's start and end, and each node's call:
+core/schedule's host clock, where the calibrated profile runs the host apart from the
+device). ``--gpu-only`` skips the gloo table.
 """
 
 from __future__ import annotations
