@@ -94,7 +94,7 @@ from autopar.core import Plan, StrategySpace, roles
 from .memory import plan_placements, sizer
 from .remat import storage_map
 
-__all__ = ["Ordering", "apply", "mutates_or_draws", "order_step", "ready_nodes"]
+__all__ = ["Ordering", "apply", "mutates_or_draws", "order_step", "prepare", "ready_nodes"]
 
 BEAM = 64
 """Sets kept per layer of a segment's search above which it is a beam search."""
@@ -162,6 +162,14 @@ def ready_nodes(space: StrategySpace, fed: Collection[str] = ()) -> frozenset[st
     if every.isdisjoint(fed):
         return every
     return _ready(space, fed)
+
+
+def prepare(space: StrategySpace, gm: torch.fx.GraphModule) -> None:
+    """Make what ``order_step`` and ``ready_nodes`` read of the step whatever the plan (the
+    step's storage graph, the model's state and what reads it alone), ahead of the first
+    plan (passes/solve reads the solver's first solution meanwhile)."""
+    _Graph.of(space, gm)
+    ready_nodes(space)
 
 
 def _ready(space: StrategySpace, fed: Collection[str]) -> frozenset[str]:

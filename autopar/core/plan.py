@@ -107,7 +107,7 @@ def _collective_site(label: str, modules: dict[str, str], param_of: dict[str, st
     return {"module": modules.get(dst, "")}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class NodeChoice:
     """The strategy chosen for one node.
 
@@ -176,6 +176,7 @@ def _nodes_and_collectives(
     texts: dict[int, tuple] = {}
     ops: dict[object, str] = {}
     nodes = {}
+    host_s = solution.host_s
     for name in space.order:
         s = solution.chosen(space, name)
         made = texts.get(id(s))
@@ -188,14 +189,15 @@ def _nodes_and_collectives(
         op = ops.get(target)
         if op is None:
             op = ops[target] = op_name(target)
+        # (by position: ~18,000 per plan, each made again by every overlap round's)
         nodes[name] = NodeChoice(
-            op=op,
-            module=space.modules[name],
-            role=space.roles[name],
-            out=made[0],
-            ins=made[1],
-            cost_s=solution.node_cost_s[name],
-            host_s=solution.host_s.get(name, 0.0),
+            op,
+            space.modules[name],
+            space.roles[name],
+            made[0],
+            made[1],
+            solution.node_cost_s[name],
+            host_s.get(name, 0.0),
         )
     collectives = []
     param_of = {node: name for name, node in space.params.items()}

@@ -14,6 +14,7 @@ import contextlib
 import itertools
 import math
 import re
+import threading
 import types
 import warnings
 
@@ -210,6 +211,38 @@ def test_a_time_limit_with_a_plan_in_hand_is_reported(monkeypatch):
     assert sol.stats["best_bound"] <= sol.stats["incumbent"] + 1e-12
     (warning,) = sol.warnings
     assert "time limit of 7 s" in warning and "raise time_limit_s" in warning
+
+
+@pytest.mark.parametrize("budget", [None, 1e12])
+def test_the_callers_work_runs_on_its_thread_while_the_first_solve_runs(monkeypatch, budget):
+    # ``meanwhile``: done once, on the caller's thread, while the first solve runs on
+    # another; the first solve waits until it has run, so done after it, it would time out
+    space = _space(batch=8, hidden=1024, ffn=4096, data_parallel=True)
+    real_run = solve_pass._run
+    ran, solves = threading.Event(), []
+    caller = threading.get_ident()
+
+    def run(ilp, time_limit_s, mip_gap):
+        solves.append(threading.get_ident())
+        if len(solves) == 1:
+            assert ran.wait(30), "the caller's work did not run beside the first solve"
+        return real_run(ilp, time_limit_s, mip_gap)
+
+    def meanwhile():
+        assert threading.get_ident() == caller and not ran.is_set()
+        ran.set()
+
+    monkeypatch.setattr(solve_pass, "_run", run)
+    sol = solve(space, memory_budget=budget, meanwhile=meanwhile)
+    assert ran.is_set() and solves[0] != caller
+    assert sol.objective_s == pytest.approx(solve(space, memory_budget=budget).objective_s)
+
+    def failing(ilp, time_limit_s, mip_gap):
+        raise RuntimeError("the solver failed")
+
+    monkeypatch.setattr(solve_pass, "_run", failing)  # raised on the caller's thread
+    with pytest.raises(RuntimeError, match="the solver failed"):
+        solve(space, memory_budget=budget, meanwhile=lambda: None)
 
 
 def test_no_plan_within_the_time_limit_is_an_error_that_says_so(monkeypatch):
