@@ -311,10 +311,16 @@ def fold_regions(step: StepGraph) -> FoldedGraph:
     by_core: dict[tuple, list[str]] = defaultdict(list)
     core: dict[str, list[torch.fx.Node]] = {}
     full: dict[str, tuple] = {}
+    core_of: dict[tuple, tuple] = {}  # a whole form -> its core's
     for r, ms in members.items():
         core[r] = [n for n in ms if n.name not in free]
-        by_core[_canonical(core[r], out_kind)].append(r)
         full[r] = _canonical(ms, out_kind, attached=free)
+        # the whole form, its attached nodes marked, says which are the core's and what
+        # each reads: equal whole forms, equal cores (one made per whole form)
+        form = core_of.get(full[r])
+        if form is None:
+            form = core_of[full[r]] = _canonical(core[r], out_kind)
+        by_core[form].append(r)
 
     rep = {n.name: n.name for n in nodes}
     groups, alone = [], []

@@ -219,6 +219,24 @@ class Liveness:
     OUTPUT = "output"
     """The name of the last point, ``len(order)``: where the step returns (``bytes(out)``)."""
 
+    _inputs: list[tuple[int, str, int, str, int, str | None]] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
+
+    def tensor_inputs(self) -> list[tuple[int, str, int, str, int, str | None]]:
+        """``(i, node, j, producer, output, group)`` of each tensor input j of each point i
+        that runs an operator (``reshard_inputs``; ``group``: ``unit_at[i]``), in point
+        order: made once, read by ``measure`` at each plan it sizes (an overlap round's)."""
+        if self._inputs is None:
+            space, unit_at = self.space, self.unit_at
+            self._inputs = [
+                (i, name, j, src, so, unit_at[i] if i < len(unit_at) else None)
+                for i, name in enumerate(self.node_at)
+                if space.targets[name] != "placeholder"
+                for j, (src, so) in enumerate(space.in_sources[name])
+            ]
+        return self._inputs
+
     def live_at(self, i: int) -> list[Storage]:
         """The storages live at point ``i`` (``len(order)``: the step's return)."""
         return [s for s in self.storages if s.first <= i <= s.last]
@@ -541,24 +559,23 @@ def measure(
         buffers[freed + 1] -= flat
         delta["gradients"][i + 1] += reduced
         blocks.extend([(i, freed, flat), (i + 1, n - 1, reduced)])
-    for i, name in enumerate(lv.node_at):
-        if space.targets[name] == "placeholder" or not lv.shown(i, recompute):
+    for i, name, j, src, so, g in lv.tensor_inputs():
+        if g is not None and g not in recompute:  # (a copy not in this step: ``shown``)
             continue
-        for j, src, so in lv.reshard_inputs(i):
-            q = in_ps(name, j)
-            if q is None:
-                continue
-            p = out_ps(src, so)
-            if p is None or p is q or tuple(p) == tuple(q):
-                continue
-            shape, dtype = space.tensor(src, so)
-            size = nbytes(tuple(shape), dtype, q)
-            first = i
-            if lv.order[i] == name:  # (not a copy) issued ahead: held from its issue on
-                first = min(i, lv.prefetched.get((src, name), i - 1) + 1)
-            buffers[first] += size
-            buffers[i + 1] -= size
-            blocks.append((first, i, size))
+        q = in_ps(name, j)
+        if q is None:
+            continue
+        p = out_ps(src, so)
+        if p is None or p is q or tuple(p) == tuple(q):
+            continue
+        shape, dtype = space.tensor(src, so)
+        size = nbytes(tuple(shape), dtype, q)
+        first = i
+        if lv.order[i] == name:  # (not a copy) issued ahead: held from its issue on
+            first = min(i, lv.prefetched.get((src, name), i - 1) + 1)
+        buffers[first] += size
+        buffers[i + 1] -= size
+        blocks.append((first, i, size))
     shown = [i for i in range(n) if lv.shown(i, recompute)]
     every = len(shown) == n
     by_category: dict[str, list[int]] = {}
