@@ -37,8 +37,9 @@ Where the solver's overlap rounds judged the solution the plan is (``_emitted``,
 CUDA), the plan is assembled from the round's (``assemble``: its nodes and collectives),
 the four report stages take what the rounds made of it (the order, the bucketed and the
 prefetched plan, the memory report; ``state["assessed"]``) instead of making it again,
-and the step's length is the round's where the step is the same (``emitted_length``);
-the order stage takes the traced order's peak from the solver's measurement of its plan
+where the round made it in the order the plan has (a later round's plan, judged in the
+traced order, is ordered by the order stage: ``_emitted``), and the step's length is the
+round's where the step is the same (``emitted_length``); the order stage takes the traced order's peak from the solver's measurement of its plan
 (``stats["peak_bytes"]``: the same step). A round's memory report is
 the one the buckets' or prefetch's budget check measured of the same plan, where one did;
 else the memory stage measures the kept round's plan (a round's step length needs none:
@@ -306,7 +307,7 @@ class _Assessed:
     (``_emitted``): each stage's plan and what it added to the plan's statistics."""
 
     plan: Plan | None = None  # the solution's, as Plan.from_solution made it
-    ordering: Ordering | None = None
+    ordering: Ordering | None = None  # where the round ordered it
     bucketed: Plan | None = None
     bucket_stats: dict = field(default_factory=dict)
     prefetched: Plan | None = None
@@ -337,16 +338,29 @@ def _emitted(state: dict) -> Callable[[Solution], float]:
     skipped), simulated (core/schedule). The solver's overlap rounds compare their plans
     by it (passes/solve, "Overlap"). What each stage made is kept by solution
     (``state["assessed"]``): the report stages take the kept round's instead of making it
-    again (each is linear in the step's nodes: ~0.8 s of a 96-layer plan)."""
+    again (each is linear in the step's nodes: ~0.8 s of a 96-layer plan).
+
+    The order: the first round's plan is ordered as the order stage will order it; where
+    that keeps the traced order, the later rounds' plans are judged in the traced order,
+    not ordered (~0.17 s a round at 96 layers). The order is chosen for memory alone
+    (passes/order) and keeps the traced one unless a lower peak needs another: the zoo's
+    transformers keep it (their peak is the whole forward held into the backward), where
+    an FSDP MLP's reduce-scatter buckets reorder it in every round. Where the order stage
+    orders a later round's kept plan otherwise, the stages after it make their plans
+    again, and the step's length is simulated in that order (``emitted_length``)."""
     space, options = state["strategies"], state["options"]
     assessed: dict[tuple, _Assessed] = state.setdefault("assessed", {})
+    reorders = [False]  # the order stage orders the first round's plan otherwise
 
     def length(solution: Solution) -> float:
         made = _Assessed()
         plan = Plan.from_solution(space, solution, fingerprint="", stats=dict(solution.stats))
         made.plan = plan
-        if "order" not in options.skip:
+        # the first round's plan ordered; the later rounds' only where it was not in the
+        # traced order (below)
+        if "order" not in options.skip and (not assessed or reorders[0]):
             made.ordering = order_step(space, state["trace"].gm, plan)
+            reorders[0] = reorders[0] or made.ordering.changed
             if made.ordering.changed:
                 plan = dataclasses.replace(plan, order=tuple(made.ordering.order))
         measured = None  # the memory of the plan as it stands, where a budget check measured it
@@ -476,6 +490,7 @@ def _prefetch(state: dict) -> int:
         and made.prefetched is not None
         and made.bucketed is not None
         and plan.collectives == made.bucketed.collectives
+        and plan.order == made.bucketed.order  # (the round's: the traced order)
     ):
         if made.prefetched is not made.bucketed:  # what prefetch changes
             p = made.prefetched

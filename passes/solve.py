@@ -110,7 +110,8 @@ swing: GPT-3 over (8,8), 2601.6, 2908.9, then 9086.4 ms as emitted, where the th
 round's shares, low from the second's well-hidden plan, let the ILP pile its collectives
 on them). The rounds keep the plan whose step is the shortest: as the emitted step
 simulated where the caller gives ``assess`` (passes/pipeline: the plan ordered, bucketed
-and prefetched as the later stages will, core/schedule), else by T. T is a bound on each
+and prefetched as the later stages will, a later round's in the traced order where the
+first's keeps it, core/schedule), else by T. T is a bound on each
 stream's busy time, not a schedule: a gather queued behind a scatter on its axis waits, and
 the first plan counted whole showed it (GPT-3 over (8,8), reduce-scatters counted hidden:
 T 2628 ms, emitted 2895 ms). Comparing the rounds by the emitted step keeps such a plan
@@ -1569,9 +1570,10 @@ def _read(ilp: IlpBuilder) -> Solution:
             colls = reshard_collectives(
                 t.src_ps, t.dst_ps, t.shape_dtype[0], t.shape_dtype[1], mesh, profile
             )
+            # (priced once for the term's edges: a fold group's, one per instance)
+            priced = [(coll, collectives_time([coll], mesh, profile)) for coll in colls]
             for label in t.labels:
-                for coll in colls:
-                    collectives.append((label, coll, collectives_time([coll], mesh, profile)))
+                collectives.extend((label, coll, time_s) for coll, time_s in priced)
     inner: dict[tuple[str, int], list[tuple[Collective, float]]] = {}
     for n, k in sorted(choice.items()):
         # an instance of a fold group runs what its representative's call runs (priced
