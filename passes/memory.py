@@ -576,7 +576,8 @@ def measure(
         buffers[first] += size
         buffers[i + 1] -= size
         blocks.append((first, i, size))
-    shown = [i for i in range(n) if lv.shown(i, recompute)]
+    copies = any(g is not None for g in lv.unit_at)  # (none: every point is shown)
+    shown = [i for i in range(n) if lv.shown(i, recompute)] if copies else list(range(n))
     every = len(shown) == n
     by_category: dict[str, list[int]] = {}
     for c in CATEGORIES:
@@ -584,14 +585,15 @@ def measure(
         by_category[c] = out if every else [out[i] for i in shown]
     by_category["optimizer_state"] = [opt] * len(shown)
     totals = list(map(sum, zip(*(by_category[c] for c in CATEGORIES))))
-    peak = max(range(len(shown)), key=lambda k: totals[k])
+    peak = max(range(len(shown)), key=totals.__getitem__)
+    names = [*lv.order, lv.OUTPUT]  # (``point_name``)
     arena_bytes = arena(blocks)[1] + opt if layout else 0
     return MemoryReport(
         arena_bytes=arena_bytes,
         peak_bytes=totals[peak],
         peak_node=lv.point_name(shown[peak]),
         at_peak={c: by_category[c][peak] for c in CATEGORIES},
-        timeline=[(lv.point_name(i), t) for i, t in zip(shown, totals)],
+        timeline=list(zip(names if every else [names[i] for i in shown], totals)),
         by_category=by_category,
         optimizer=optimizer,
         points=shown,

@@ -1114,12 +1114,12 @@ class IlpBuilder:
     def evaluate(self, lv: Liveness) -> MemoryReport:
         """The step memory (passes/memory) of the strategies the solver set: its peak and
         timeline, not laid out (the rounds read the peak alone)."""
-        choice = self.choice()
         strats = self.space.strategies
+        pick = {n: strats[n][k] for n, k in self.choice().items()}
         return measure(
             lv,
-            lambda n, o: strats[n][choice[n]].out[o],
-            lambda n, j: strats[n][choice[n]].ins[j],
+            lambda n, o: pick[n].out[o],
+            lambda n, j: pick[n].ins[j],
             self.optimizer,
             self.recomputed(),
             layout=False,

@@ -15,6 +15,7 @@ every layer needs on them:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -68,7 +69,13 @@ def parse_placement(s: str) -> Placement:
 
 
 def parse_placements(texts) -> Placements:
-    """One placement per mesh axis from their texts."""
+    """One placement per mesh axis from their texts (each tuple of texts parsed once: a
+    plan's ~18,000 nodes name a few dozen; the placements are shared, read only)."""
+    return _parsed(tuple(texts))
+
+
+@functools.lru_cache(maxsize=4096)
+def _parsed(texts: tuple[str, ...]) -> Placements:
     return tuple(parse_placement(t) for t in texts)
 
 
