@@ -331,105 +331,158 @@ def liveness(
     freed, where later (``output``: the step's end) (passes/buckets; "Buckets");
     ``prefetched``: ``(producer, consumer)`` -> the node after which that reshard is issued
     (passes/prefetch; "Prefetch"); ``order``: the order the step runs its nodes in
-    (passes/order; placeholders first), else the traced one."""
-    order = space.order if order is None else order
-    groups: dict[str, list[Recompute]] = defaultdict(list)
-    unit: dict[str, str] = {}  # a node recomputed -> its group
-    moved: dict[str, str] = {}  # a node that then runs only in the backward -> its group
-    for rec in recompute:
-        groups[rec.group].append(rec)
-        unit.update((n, rec.group) for n in rec.nodes)
-        moved.update((n, rec.group) for n in rec.moved)
-    # the points: every node, and before a layer's first backward read, its copies
-    at = step_points(order, recompute)
-    points = [p for p, _, _ in at]
-    node_at = [n for _, n, _ in at]
-    unit_at = [g for _, _, g in at]
-    end = len(points)
+    (passes/order; placeholders first), else the traced one.
+
+    What depends on the order and ``recompute`` alone (the points, each storage's life
+    before the graph outputs, the storages no graph output reads) is made once for the
+    last pair asked (``StrategySpace.derived``): the solver's step and the plan's, in the
+    traced order, share it (passes/solve, the memory stage)."""
+    base = _life_base(space, recompute, order)
+    points, node_at, unit_at, end = base.points, base.node_at, base.unit_at, len(base.points)
     storage_of = storage_map(space)
-    # storage key -> [first, last, category]: a copy's storages are keyed by the copy
-    life: dict[tuple[str, int], list] = {}
-    # storage key -> condition -> the last point at which a read under it keeps it alive
-    cond_last: dict[tuple[str, int], dict[tuple[str, bool], int]] = defaultdict(dict)
-    params: list[str] = []
-
-    tangents: set[tuple[str, int]] = set()
-
-    def read(key, i: int, when=None) -> None:
-        if key not in life:  # (an output that is not a tensor has no storage)
-            return
-        if key in tangents:  # the backward makes it: live from its first read
-            tangents.discard(key)
-            life[key][0] = i
-        if when is None:
-            life[key][1] = max(life[key][1], i)
-        else:
-            cond_last[key][when] = max(cond_last[key].get(when, -1), i)
-
-    for i, (point, name) in enumerate(zip(points, node_at)):
-        role = space.roles[name]
-        if space.targets[name] == "placeholder":
-            if role in (roles.PARAM, roles.BUFFER):
-                category = "parameters"
-                if role == roles.PARAM and name not in space.aliases:
-                    params.append(name)
-            elif role in roles.BATCH_ROLES:
-                category = "inputs"
-            else:
-                category = "temporaries"
-                if role == roles.TANGENT:
-                    tangents.add((name, 0))
-            life[(name, 0)] = [i, i, category]
-            continue
-        g = unit_at[i]
-        for src, so in dict.fromkeys(space.in_sources[name]):
-            key = storage_of.get((src, so))
-            if key is None:
-                continue
-            if g is not None:  # a copy reads the copies of its inputs, and the rest as is
-                if unit.get(src) == g:
-                    read((COPY + key[0], key[1]), i, (g, True))
-                else:
-                    read(key, i, (g, True))
-            elif role == roles.BACKWARD and src in unit:  # the original, or its copy
-                read(key, i, (unit[src], False))
-                read((COPY + key[0], key[1]), i, (unit[src], True))
-            else:
-                read(key, i)
-        if g is None:
-            made = [(name, idx) for idx in range(len(space.shapes[name]))]
-        else:
-            made = [(point, idx) for idx in range(len(space.shapes[name]))]
-        for key in made:
-            orig = (name, key[1])
-            if orig not in storage_of:
-                continue
-            if storage_of[orig] != orig:  # a view: no storage of its own
-                continue
-            category = "forward" if role == roles.FORWARD else "temporaries"
-            if g is not None:
-                category = "recomputed"
-            life[key] = [i, i, category]
-
     # graph outputs live to the end (a bucketed gradient: to its bucket's issue); gradients
     # are their own category
-    point_of = {p: i for i, p in enumerate(points)}
+    point_of = base.point_of
     issue_at = {pos: point_of[node] for pos, node in early.items()}
+    outs: dict[tuple[str, int], list] = {}  # a graph output's storage -> its life, as read
     for sink in space.sinks:
         s = storage_of.get((sink.src, sink.src_out))
         if s is None:
             continue
+        life = outs.get(s)
+        if life is None:
+            life = outs[s] = list(base.life[s])
         if sink.position in issue_at:
-            life[s][1] = max(life[s][1], issue_at[sink.position])
+            life[1] = max(life[1], issue_at[sink.position])
         else:
-            life[s][1] = end
+            life[1] = end
         if sink.like is not None and space.roles[sink.like] == roles.PARAM:
-            life[s][2] = "gradients"
-    storages = []
-    for key, (first, last, category) in life.items():
+            life[2] = "gradients"
+    storages: list[Storage] = []
+    for key in base.life:
+        if key in outs:
+            storages.extend(base.storages_of(key, outs[key]))
+        else:
+            storages.extend(base.kept(key))
+    return Liveness(
+        order=points,
+        storages=storages,
+        params=base.params,
+        space=space,
+        node_at=node_at,
+        unit_at=unit_at,
+        groups=base.groups,
+        early=issue_at,
+        held={pos: point_of.get(node, end) for pos, node in held.items()},
+        prefetched={e: point_of[node] for e, node in prefetched.items() if node in point_of},
+    )
+
+
+class _LifeBase:
+    """``liveness``'s half that depends on the order and the checkpointed layers alone:
+    the points, each storage's life ``[first, last, category]`` before the graph outputs
+    (``life``, in the order made) and its last reads under each checkpointing condition,
+    and the storages of those no graph output reads (``kept``, made once)."""
+
+    def __init__(self, space: StrategySpace, recompute: Sequence[Recompute], order) -> None:
+        order = space.order if order is None else order
+        groups: dict[str, list[Recompute]] = defaultdict(list)
+        unit: dict[str, str] = {}  # a node recomputed -> its group
+        moved: dict[str, str] = {}  # a node that then runs only in the backward -> its group
+        for rec in recompute:
+            groups[rec.group].append(rec)
+            unit.update((n, rec.group) for n in rec.nodes)
+            moved.update((n, rec.group) for n in rec.moved)
+        # the points: every node, and before a layer's first backward read, its copies
+        at = step_points(order, recompute)
+        points = [p for p, _, _ in at]
+        node_at = [n for _, n, _ in at]
+        unit_at = [g for _, _, g in at]
+        storage_of = storage_map(space)
+        # storage key -> [first, last, category]: a copy's storages are keyed by the copy
+        life: dict[tuple[str, int], list] = {}
+        # storage key -> condition -> the last point at which a read under it keeps it alive
+        cond_last: dict[tuple[str, int], dict[tuple[str, bool], int]] = defaultdict(dict)
+        params: list[str] = []
+
+        tangents: set[tuple[str, int]] = set()
+
+        def read(key, i: int, when=None) -> None:
+            if key not in life:  # (an output that is not a tensor has no storage)
+                return
+            if key in tangents:  # the backward makes it: live from its first read
+                tangents.discard(key)
+                life[key][0] = i
+            if when is None:
+                life[key][1] = max(life[key][1], i)
+            else:
+                cond_last[key][when] = max(cond_last[key].get(when, -1), i)
+
+        for i, (point, name) in enumerate(zip(points, node_at)):
+            role = space.roles[name]
+            if space.targets[name] == "placeholder":
+                if role in (roles.PARAM, roles.BUFFER):
+                    category = "parameters"
+                    if role == roles.PARAM and name not in space.aliases:
+                        params.append(name)
+                elif role in roles.BATCH_ROLES:
+                    category = "inputs"
+                else:
+                    category = "temporaries"
+                    if role == roles.TANGENT:
+                        tangents.add((name, 0))
+                life[(name, 0)] = [i, i, category]
+                continue
+            g = unit_at[i]
+            for src, so in dict.fromkeys(space.in_sources[name]):
+                key = storage_of.get((src, so))
+                if key is None:
+                    continue
+                if g is not None:  # a copy reads the copies of its inputs, and the rest as is
+                    if unit.get(src) == g:
+                        read((COPY + key[0], key[1]), i, (g, True))
+                    else:
+                        read(key, i, (g, True))
+                elif role == roles.BACKWARD and src in unit:  # the original, or its copy
+                    read(key, i, (unit[src], False))
+                    read((COPY + key[0], key[1]), i, (unit[src], True))
+                else:
+                    read(key, i)
+            if g is None:
+                made = [(name, idx) for idx in range(len(space.shapes[name]))]
+            else:
+                made = [(point, idx) for idx in range(len(space.shapes[name]))]
+            for key in made:
+                orig = (name, key[1])
+                if orig not in storage_of:
+                    continue
+                if storage_of[orig] != orig:  # a view: no storage of its own
+                    continue
+                category = "forward" if role == roles.FORWARD else "temporaries"
+                if g is not None:
+                    category = "recomputed"
+                life[key] = [i, i, category]
+        self.space, self.points, self.node_at, self.unit_at = space, points, node_at, unit_at
+        self.point_of = {p: i for i, p in enumerate(points)}
+        self.life, self.cond_last, self.params, self.groups = life, cond_last, params, dict(groups)
+        self.moved = moved
+        self._kept: dict[tuple[str, int], list[Storage]] = {}
+
+    def kept(self, key: tuple[str, int]) -> list[Storage]:
+        """The storages of ``key``, which no graph output reads (made once)."""
+        made = self._kept.get(key)
+        if made is None:
+            made = self._kept[key] = self.storages_of(key, self.life[key])
+        return made
+
+    def storages_of(self, key: tuple[str, int], life: list) -> list[Storage]:
+        """The storages of ``key`` living ``life`` (``[first, last, category]``): one, or
+        one per checkpointing condition under which it is read later ("Checkpointing")."""
+        space, node_at, unit_at, end = self.space, self.node_at, self.unit_at, len(self.points)
+        first, last, category = life
         copy = key[0].startswith(COPY)
         owner = key[0][len(COPY) :] if copy else key[0]
-        conds = cond_last.get(key, {})
+        conds = self.cond_last.get(key, {})
         full = max([last, *conds.values()])
         if category == "forward":
             backward = full < end and space.roles[node_at[full]] == roles.BACKWARD
@@ -443,31 +496,26 @@ def liveness(
         base = Storage(owner, key[1], tuple(shape), dtype, first, last, category, counted)
         if copy:  # only when its group is checkpointed
             end_copy = max(conds.values(), default=first)
-            storages.append(replace(base, last=end_copy, when=(unit_at[first], True)))
-            continue
-        if owner in moved:  # not run at all in the forward of the checkpointed step
+            return [replace(base, last=end_copy, when=(unit_at[first], True))]
+        if owner in self.moved:  # not run at all in the forward of the checkpointed step
             end_orig = max([last, *conds.values()])
-            storages.append(replace(base, last=end_orig, when=(moved[owner], False)))
-            continue
+            return [replace(base, last=end_orig, when=(self.moved[owner], False))]
         later = {c: b for c, b in conds.items() if b > last}
         if len(later) > 1:
             # read under several conditions (two layers' copies read it): counted live to
             # the latest of them whatever is chosen (an overestimate)
             base, later = replace(base, last=max(later.values())), {}
-        storages.append(base)
-        storages.extend(replace(base, first=last + 1, last=b, when=c) for c, b in later.items())
-    return Liveness(
-        order=points,
-        storages=storages,
-        params=params,
-        space=space,
-        node_at=node_at,
-        unit_at=unit_at,
-        groups=dict(groups),
-        early=issue_at,
-        held={pos: point_of.get(node, end) for pos, node in held.items()},
-        prefetched={e: point_of[node] for e, node in prefetched.items() if node in point_of},
-    )
+        return [base, *(replace(base, first=last + 1, last=b, when=c) for c, b in later.items())]
+
+
+def _life_base(space: StrategySpace, recompute: Sequence[Recompute], order) -> _LifeBase:
+    """The ``_LifeBase`` of this order and these checkpointed layers: the last one made, where
+    it is of the same (``StrategySpace.derived``), else made (and kept)."""
+    key = (None if order is None else tuple(order), tuple(recompute))
+    made = space.derived.get("lives")
+    if made is None or made[0] != key:
+        made = space.derived["lives"] = (key, _LifeBase(space, recompute, order))
+    return made[1]
 
 
 def output_redistributions(lv: Liveness, out_ps: OutPlacement) -> list[tuple]:

@@ -137,6 +137,47 @@ def test_sharded_parameters_and_adamw_state_are_the_local_shards():
         simulate(space, plan, optimizer="lion")
 
 
+def test_a_liveness_made_from_the_last_ones_half_is_the_one_made_afresh(monkeypatch):
+    """``liveness`` keeps what depends on the order and the checkpointed layers alone from
+    its last call (``StrategySpace.derived``): a plan's step after the solver's (the same
+    order and layers, its buckets' issue points and holds its own), and each after another
+    order's, is the step read on a space that kept nothing, and is made from it once."""
+    from autopar.passes import memory, remat
+
+    plan, space, _, _ = _golden_gpt_2x2()
+    layers = tuple(remat.candidates(space))  # (every layer's copies: their storages too)
+    assert layers
+    backward = [n for n in space.order if space.roles[n] == "backward"]
+    grads = [k for k in space.sinks if k.like is not None][:3]
+    early = {k.position: backward[len(backward) // 2] for k in grads}  # bucket issue points
+    held = {grads[0].position: backward[-1]}
+    placeholders = [n for n in space.order if space.targets[n] == "placeholder"]
+    other = placeholders[::-1] + [n for n in space.order if n not in set(placeholders)]
+    made = []
+
+    class Counted(memory._LifeBase):
+        def __init__(self, *args):
+            made.append(args[2])
+            super().__init__(*args)
+
+    monkeypatch.setattr(memory, "_LifeBase", Counted)
+
+    def afresh(**kw):
+        space.derived.clear()
+        return memory.liveness(space, layers, **kw)
+
+    want = afresh(early=early, held=held)
+    want_other = afresh(early=early, order=other)
+    space.derived.clear()
+    made.clear()
+    memory.liveness(space, layers)  # (the solver's: no buckets)
+    assert memory.liveness(space, layers, early=early, held=held) == want
+    assert memory.liveness(space, layers, early=early, order=other) == want_other
+    assert memory.liveness(space, layers, early=early, held=held) == want
+    assert made == [None, other, None]  # one per change of the order
+    assert want.early and want.held and want != memory.liveness(space, layers)
+
+
 def test_placements_made_afresh_at_each_call_are_sized_as_their_own(monkeypatch):
     """``measure`` sizes each shape once per placement object (a deep step's layers share
     them): placements made afresh at every call, each freed before the next (whose id may
