@@ -39,11 +39,12 @@ the four report stages take what the rounds made of it (the order, the bucketed 
 prefetched plan, the memory report; ``state["assessed"]``) instead of making it again,
 where the round made it in the order the plan has (a later round's plan, judged in the
 traced order, is ordered by the order stage: ``_emitted``), and the step's length is the
-round's where the step is the same (``emitted_length``); the order stage takes the traced order's peak from the solver's measurement of its plan
-(``stats["peak_bytes"]``: the same step). A round's memory report is
-the one the buckets' or prefetch's budget check measured of the same plan, where one did;
-else the memory stage measures the kept round's plan (a round's step length needs none:
-core/schedule runs the plan's order with its checkpointed layers' copies).
+round's where the step is the same (``emitted_length``); the order stage takes the traced
+order's peak from the solver's measurement of its plan (``stats["peak_bytes"]``: the same
+step). A round's memory report is the one the buckets' or prefetch's budget check
+measured of the same plan, where one did; else the memory stage measures the kept round's
+plan (a round's step length needs none: core/schedule runs the plan's order with its
+checkpointed layers' copies).
 
 ``run_stages`` runs the stages in order. For each it records the wall time as
 ``stats["<name>_s"]`` and the stage's own statistics, and logs one line (logger
@@ -350,17 +351,19 @@ def _emitted(state: dict) -> Callable[[Solution], float]:
     again, and the step's length is simulated in that order (``emitted_length``)."""
     space, options = state["strategies"], state["options"]
     assessed: dict[tuple, _Assessed] = state.setdefault("assessed", {})
-    reorders = [False]  # the order stage orders the first round's plan otherwise
+    # whether the order stage orders the first round's plan otherwise (None: none judged)
+    reorders: list[bool | None] = [None]
 
     def length(solution: Solution) -> float:
         made = _Assessed()
         plan = Plan.from_solution(space, solution, fingerprint="", stats=dict(solution.stats))
         made.plan = plan
         # the first round's plan ordered; the later rounds' only where it was not in the
-        # traced order (below)
-        if "order" not in options.skip and (not assessed or reorders[0]):
+        # traced order
+        if "order" not in options.skip and reorders[0] is not False:
             made.ordering = order_step(space, state["trace"].gm, plan)
-            reorders[0] = reorders[0] or made.ordering.changed
+            if reorders[0] is None:
+                reorders[0] = made.ordering.changed
             if made.ordering.changed:
                 plan = dataclasses.replace(plan, order=tuple(made.ordering.order))
         measured = None  # the memory of the plan as it stands, where a budget check measured it
@@ -490,7 +493,7 @@ def _prefetch(state: dict) -> int:
         and made.prefetched is not None
         and made.bucketed is not None
         and plan.collectives == made.bucketed.collectives
-        and plan.order == made.bucketed.order  # (the round's: the traced order)
+        and plan.order == made.bucketed.order  # (made in the order the plan has)
     ):
         if made.prefetched is not made.bucketed:  # what prefetch changes
             p = made.prefetched

@@ -111,8 +111,8 @@ round's shares, low from the second's well-hidden plan, let the ILP pile its col
 on them). The rounds keep the plan whose step is the shortest: as the emitted step
 simulated where the caller gives ``assess`` (passes/pipeline: the plan ordered, bucketed
 and prefetched as the later stages will, a later round's in the traced order where the
-first's keeps it, core/schedule), else by T. T is a bound on each
-stream's busy time, not a schedule: a gather queued behind a scatter on its axis waits, and
+first's keeps it, core/schedule), else by T. T is a bound on each stream's busy time, not
+a schedule: a gather queued behind a scatter on its axis waits, and
 the first plan counted whole showed it (GPT-3 over (8,8), reduce-scatters counted hidden:
 T 2628 ms, emitted 2895 ms). Comparing the rounds by the emitted step keeps such a plan
 out, and the first round, counted as before, bounds what the rounds can lose. Where the
@@ -255,13 +255,14 @@ rule: Llama-3-8B's bf16 step over (8,8), 8011 integer variables, solved in 1.1 s
 from 34 s to 27-30 s. The overlap rounds ("Overlap") solve on two threads where they can:
 a round whose shares are known is solved on a copy of the ILP beside the simulation of
 the round before (``_SolveBeside``), with the same model and objective as in place, so the
-same plan. The first solve runs on a thread too, while this one makes what the memory check
-and the caller's later stages read of the step whatever the plan (``meanwhile``: the
+same plan. The first solve runs on a thread too, while this one makes what the memory
+check and the caller's later stages read of the step whatever the plan (``meanwhile``: the
 liveness the solver measures on, passes/order's storage graph; ~0.4 s of a 96-layer GPT's
-step, hidden behind a ~0.45 s solve). Ties in the objective are broken towards the earlier strategy: x[v,k] costs ``TIE_BREAK_US`` * k / K_v * n_v microseconds more
-(K_v strategies; n_v instances, so that the folded and the unfolded ILP prefer alike and
-pick the same plan). 1e-4 us per node stands above HiGHS's absolute gap (1e-6) and far below
-any cost that matters (at most ~2 us over the 18k nodes of a 96-layer GPT).
+step, hidden behind a ~0.45 s solve). Ties in the objective are broken towards the earlier
+strategy: x[v,k] costs ``TIE_BREAK_US`` * k / K_v * n_v microseconds more (K_v strategies;
+n_v instances, so that the folded and the unfolded ILP prefer alike and pick the same
+plan). 1e-4 us per node stands above HiGHS's absolute gap (1e-6) and far below any cost
+that matters (at most ~2 us over the 18k nodes of a 96-layer GPT).
 """
 
 from __future__ import annotations
@@ -1377,7 +1378,8 @@ def _run_beside(
     ilp: IlpBuilder, time_limit_s: float, mip_gap: float, meanwhile: Callable[[], Any] | None
 ) -> int:
     """``_run``; ``meanwhile``: the caller's work, done on this thread while the solve runs
-    on another (the solver holds no lock of Python's: the two overlap on two cores)."""
+    on another (the solver holds no lock of Python's: the two overlap on two cores). What
+    it prints to the process's stdout is lost: the solve holds fd 1 (``_quiet_stdout``)."""
     if meanwhile is None:
         return _run(ilp, time_limit_s, mip_gap)
     return _beside(lambda: _run(ilp, time_limit_s, mip_gap), meanwhile)
