@@ -90,7 +90,10 @@ def test_a_weighted_mean_over_split_rows_divides_by_every_ranks_summed_weights(m
     means average to another loss (their summed weights differ), where each rank's
     weighted sum over every rank's summed weights sums to the loss; and with the classes
     split too, each rank's share of its rows sums to the same."""
-    lp = torch.randn(N, C, dtype=torch.float64).log_softmax(1)
+    # (seeded: the averaged means miss the loss by 0.046 with these rows; drawn from the
+    # global generator they missed it by as little as 6e-4 under another torch's test order)
+    lp = torch.randn(N, C, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    lp = lp.log_softmax(1)
     t = torch.randint(0, C, (N,), generator=torch.Generator().manual_seed(3))
     w = _weight(True)
     rows = [(lp[: N // 2], t[: N // 2]), (lp[N // 2 :], t[N // 2 :])]
