@@ -361,9 +361,9 @@ def liveness(
     storages: list[Storage] = []
     for key in base.life:
         if key in outs:
-            storages.extend(base.storages_of(key, outs[key]))
+            storages.extend(base.storages_of(space, key, outs[key]))
         else:
-            storages.extend(base.kept(key))
+            storages.extend(base.kept(space, key))
     return Liveness(
         order=points,
         storages=storages,
@@ -462,23 +462,25 @@ class _LifeBase:
                 if g is not None:
                     category = "recomputed"
                 life[key] = [i, i, category]
-        self.space, self.points, self.node_at, self.unit_at = space, points, node_at, unit_at
+        # (not the space: kept in ``space.derived``, this would make it a cycle, which only
+        # the garbage collector frees, with all the space holds)
+        self.points, self.node_at, self.unit_at = points, node_at, unit_at
         self.point_of = {p: i for i, p in enumerate(points)}
         self.life, self.cond_last, self.params, self.groups = life, cond_last, params, dict(groups)
         self.moved = moved
         self._kept: dict[tuple[str, int], list[Storage]] = {}
 
-    def kept(self, key: tuple[str, int]) -> list[Storage]:
+    def kept(self, space: StrategySpace, key: tuple[str, int]) -> list[Storage]:
         """The storages of ``key``, which no graph output reads (made once)."""
         made = self._kept.get(key)
         if made is None:
-            made = self._kept[key] = self.storages_of(key, self.life[key])
+            made = self._kept[key] = self.storages_of(space, key, self.life[key])
         return made
 
-    def storages_of(self, key: tuple[str, int], life: list) -> list[Storage]:
+    def storages_of(self, space: StrategySpace, key: tuple[str, int], life: list) -> list[Storage]:
         """The storages of ``key`` living ``life`` (``[first, last, category]``): one, or
         one per checkpointing condition under which it is read later ("Checkpointing")."""
-        space, node_at, unit_at, end = self.space, self.node_at, self.unit_at, len(self.points)
+        node_at, unit_at, end = self.node_at, self.unit_at, len(self.points)
         first, last, category = life
         copy = key[0].startswith(COPY)
         owner = key[0][len(COPY) :] if copy else key[0]
