@@ -374,6 +374,7 @@ def _node_costs(space: StrategySpace, name: str, profile: DeviceProfile) -> list
     dtype = next((sd[1] for sd in outs if sd is not None), torch.float32)
     mesh_shape = space.mesh.shape
     cache: dict = {}
+    local_cost: dict[tuple, float] = {}
     costs = []
     for s in strats:
         key = (s.ins, s.out)
@@ -383,24 +384,20 @@ def _node_costs(space: StrategySpace, name: str, profile: DeviceProfile) -> list
 
         # a ring's kernels read every key in turn: priced on the keys gathered
         ins = rules.keys_gathered(target, s.ins)
-
-        def local(a, ins=ins):
-            if isinstance(a, TensorInput):
-                sd = in_shapes[a.index]
-                return torch.Size(local_shape(sd[0], ins[a.index], mesh_shape))
-            return a
-
-        largs = tree_map(local, args)
-        lkwargs = tree_map(local, kwargs)
-        lout = [
+        lins = tuple(
+            torch.Size(local_shape(sd[0], ps, mesh_shape)) for sd, ps in zip(in_shapes, ins)
+        )
+        lout = tuple(
             None if sd is None or ps is None else torch.Size(local_shape(sd[0], ps, mesh_shape))
             for sd, ps in zip(outs, s.out)
-        ]
-        out = lout[0] if len(lout) == 1 else tuple(lout)
-        try:
-            c = compute_time(profile, target, largs, lkwargs, out, dtype)
-        except Exception:  # noqa: BLE001 - a formula that cannot price it: price by bytes
-            c = compute_time(profile, torch.ops.aten.add.Tensor, (), {}, out if out else (), dtype)
+        )
+        # the kernel's time is its local shapes': strategies that give the same (a shard
+        # over either axis of a square mesh) are priced once
+        c = local_cost.get((lins, lout))
+        if c is None:
+            c = local_cost[(lins, lout)] = _local_time(
+                profile, target, args, kwargs, lins, lout, dtype
+            )
         ring = _ring_steps(space, name, s)
         if ring is not None:
             c = _ring_time(c, ring[0], ring[1], space.mesh, profile)
@@ -410,6 +407,21 @@ def _node_costs(space: StrategySpace, name: str, profile: DeviceProfile) -> list
         cache[key] = c
         costs.append(c)
     return costs
+
+
+def _local_time(profile: DeviceProfile, target, args, kwargs, lins, lout, dtype) -> float:
+    """The compute time of ``target`` called on one rank: its tensor inputs
+    (``TensorInput`` in ``args``/``kwargs``) of shapes ``lins``, its outputs ``lout``."""
+
+    def local(a):
+        return lins[a.index] if isinstance(a, TensorInput) else a
+
+    largs, lkwargs = tree_map(local, args), tree_map(local, kwargs)
+    out = lout[0] if len(lout) == 1 else lout
+    try:
+        return compute_time(profile, target, largs, lkwargs, out, dtype)
+    except Exception:  # noqa: BLE001 - a formula that cannot price it: price by bytes
+        return compute_time(profile, torch.ops.aten.add.Tensor, (), {}, out if out else (), dtype)
 
 
 def _host_times(space: StrategySpace, profile: DeviceProfile) -> dict[str, float]:
@@ -759,8 +771,29 @@ class IlpBuilder:
         # the kept round's solution as its step was judged (read_solution ``like``), where
         # the rounds read one: the values held are restored, so it is the plan read again
         self.kept: Solution | None = None
+        # ``_texts`` and ``_edge_cost``'s: id of a placement tuple -> (it, its texts); R(p, q)
+        self._placement_texts: dict[int, tuple[tuple, tuple[str, ...]]] = {}
+        self._edge_costs: dict[tuple, float | None] = {}
 
     # -- margins ---------------------------------------------------------------------------
+
+    def _texts(self, ps: tuple) -> tuple[str, ...]:
+        """``ps``'s placement texts (``placement_str``), made once per tuple object (the
+        strategies share theirs; the tuple is kept, so its id is not reused)."""
+        made = self._placement_texts.get(id(ps))
+        if made is None:
+            made = self._placement_texts[id(ps)] = (ps, tuple(placement_str(p) for p in ps))
+        return made[1]
+
+    def _edge_cost(self, p: tuple, pt: tuple, q: tuple, qt: tuple, shape_dtype) -> float | None:
+        """``_edge_cost`` of p -> q (texts ``pt``, ``qt``) for a tensor of ``shape_dtype``,
+        priced once per (texts, shape, dtype): a fold's and a layer's edges repeat them."""
+        if pt == qt:
+            return 0.0
+        key = (pt, qt, tuple(shape_dtype[0]), shape_dtype[1])
+        if key not in self._edge_costs:
+            self._edge_costs[key] = _edge_cost(p, q, shape_dtype, self.space.mesh, self.profile)
+        return self._edge_costs[key]
 
     def out_group(self, name: str, idx: int) -> dict:
         """Y[u, p]: the x variables of ``name`` whose output ``idx`` is placed p, by p."""
@@ -874,15 +907,20 @@ class IlpBuilder:
         pair_vars_p = defaultdict(list)
         pair_vars_q = defaultdict(list)
         pairs = []
+        # (each placement tuple's texts compared, not its placements: torch's placements
+        # compare in Python, and a 12-layer step's ILP compares ~350,000 pairs)
+        texts = self._texts
+        dst = [(q, texts(q)) for q in dst_groups]
         for p in src_groups:
-            for q in dst_groups:
-                if follow and p in dst_groups and p != q:
-                    continue
-                if max_axes is not None and sum(a != b for a, b in zip(p, q)) > max_axes:
+            pt = texts(p)
+            # following: only the pair that keeps p, where the consumer can take p
+            same = [(q, qt) for q, qt in dst if qt == pt] if follow else []
+            for q, qt in same or dst:
+                if max_axes is not None and sum(a != b for a, b in zip(pt, qt)) > max_axes:
                     continue
                 if reduce is not None and not _reduces_as(p, q, reduce):
                     continue
-                c = _edge_cost(p, q, shape_dtype, space.mesh, self.profile)
+                c = self._edge_cost(p, pt, q, qt, shape_dtype)
                 if c is None:
                     continue
                 ev = self.lp.NumVar(0.0, 1.0, "")
@@ -909,10 +947,23 @@ class IlpBuilder:
                                 self.axis_coef[(part, a)][ev] += c * len(labels) * _SCALE
                     self.edge_terms.append(_EdgeTerm(labels, ev, p, q, c, shape_dtype))
         for p, xs in src_groups.items():
-            self.lp.Add(sum(pair_vars_p[p]) == sum(xs))
+            self._equal(pair_vars_p[p], xs)
         for q, xs in dst_groups.items():
-            self.lp.Add(sum(pair_vars_q[q]) == sum(xs))
+            self._equal(pair_vars_q[q], xs)
         return pairs
+
+    def _equal(self, a: Sequence, b: Sequence) -> None:
+        """sum(a) == sum(b), one row set coefficient by coefficient (OR-Tools' expression
+        API builds and walks a tree of Python objects per row: ~0.3 s of a 12-layer step's
+        ILP)."""
+        coeffs: dict = defaultdict(float)
+        for v in a:
+            coeffs[v] += 1.0
+        for v in b:
+            coeffs[v] -= 1.0
+        row = self.lp.RowConstraint(0.0, 0.0, "")
+        for v, c in coeffs.items():
+            row.SetCoefficient(v, c)
 
     def edge_variables(self) -> None:
         """The edges between representatives, each standing for the m graph edges onto it."""
@@ -987,7 +1038,7 @@ class IlpBuilder:
                 continue
             ga, gb = self.out_group(a, 0), self.out_group(b, 0)
             for q in set(ga) | set(gb):
-                self.lp.Add(sum(ga.get(q, [])) == sum(gb.get(q, [])))
+                self._equal(ga.get(q, []), gb.get(q, []))
 
     def memory_point(self, lv: Liveness, i: int) -> dict:
         """bytes(i) of passes/memory as a linear expression: base variable -> MiB.
