@@ -571,11 +571,13 @@ def measure(
     nbytes = sizer(mesh_shape)
 
     for s in lv.storages:
-        if not s.counts(recompute):
+        when = s.when  # (``Storage.counts``, inline: a deep step has ~30,000 storages)
+        if when is not None and (when[0] in recompute) != when[1]:
             continue
         ps = out_ps(s.owner, s.out)
         size = nbytes(s.shape, s.dtype, ps) if s.counted else 0
-        blocks.append((s.first, min(s.last, n - 1), size))
+        if layout:
+            blocks.append((s.first, min(s.last, n - 1), size))
         d = delta[s.category]
         d[s.first] += size
         if s.last + 1 <= n:
@@ -609,6 +611,9 @@ def measure(
         buffers[freed + 1] -= flat
         delta["gradients"][i + 1] += reduced
         blocks.extend([(i, freed, flat), (i + 1, n - 1, reduced)])
+    # whether two placements objects differ, by their ids (each kept beside, as ``sizer``
+    # keeps its own): torch's placements compare in Python, ~90,000 inputs a deep step
+    differ: dict[tuple[int, int], tuple] = {}
     for i, name, j, src, so, g in lv.tensor_inputs():
         if g is not None and g not in recompute:  # (a copy not in this step: ``shown``)
             continue
@@ -616,7 +621,12 @@ def measure(
         if q is None:
             continue
         p = out_ps(src, so)
-        if p is None or p is q or tuple(p) == tuple(q):
+        if p is None or p is q:
+            continue
+        known = differ.get((id(p), id(q)))
+        if known is None:
+            known = differ[(id(p), id(q))] = (p, q, tuple(p) != tuple(q))
+        if not known[2]:
             continue
         shape, dtype = space.tensor(src, so)
         size = nbytes(tuple(shape), dtype, q)
@@ -625,7 +635,8 @@ def measure(
             first = min(i, lv.prefetched.get((src, name), i - 1) + 1)
         buffers[first] += size
         buffers[i + 1] -= size
-        blocks.append((first, i, size))
+        if layout:
+            blocks.append((first, i, size))
     copies = any(g is not None for g in lv.unit_at)  # (none: every point is shown)
     shown = [i for i in range(n) if lv.shown(i, recompute)] if copies else list(range(n))
     every = len(shown) == n

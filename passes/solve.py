@@ -773,6 +773,7 @@ class IlpBuilder:
         self.kept: Solution | None = None
         # ``_texts`` and ``_edge_cost``'s: id of a placement tuple -> (it, its texts); R(p, q)
         self._placement_texts: dict[int, tuple[tuple, tuple[str, ...]]] = {}
+        self._sorted: list[str] | None = None
         self._edge_costs: dict[tuple, float | None] = {}
 
     # -- margins ---------------------------------------------------------------------------
@@ -1280,6 +1281,12 @@ class IlpBuilder:
         """Read ``held`` as the solution (no solve)."""
         self.held = held
 
+    def sorted_names(self) -> list[str]:
+        """The step's node names, sorted (made once)."""
+        if self._sorted is None:
+            self._sorted = sorted(self.space.order)
+        return self._sorted
+
     def choice(self) -> dict[str, int]:
         """Node name -> the index of the strategy the solver set (every node; one dict per
         held solution, read only)."""
@@ -1290,7 +1297,8 @@ class IlpBuilder:
         for name, vs in self.x.items():
             vals = [sum(self.value(v) for v in group) for group in vs]
             rep_choice[name] = max(range(len(vals)), key=lambda k: vals[k])
-        return {name: rep_choice[self.folding.rep(name)] for name in self.space.order}
+        rep_of = self.folding.rep_of
+        return {name: rep_choice[rep_of.get(name, name)] for name in self.space.order}
 
 
 def build_ilp(
@@ -1610,8 +1618,8 @@ def _read(ilp: IlpBuilder) -> Solution:
     layers' (``recompute_s``, ``recomputed_layers``), no warnings."""
     mesh, profile = ilp.space.mesh, ilp.profile
     choice = dict(ilp.choice())
-    rep = ilp.folding.rep
-    node_cost_s = {n: ilp.node_cost[rep(n)][k] for n, k in choice.items()}
+    rep_of, node_cost = ilp.folding.rep_of, ilp.node_cost
+    node_cost_s = {n: node_cost[rep_of.get(n, n)][k] for n, k in choice.items()}
     compute_s = sum(node_cost_s.values())
     collectives: list[tuple[str, Collective, float]] = []
     comm_s = 0.0
@@ -1627,17 +1635,19 @@ def _read(ilp: IlpBuilder) -> Solution:
             priced = [(coll, collectives_time([coll], mesh, profile)) for coll in colls]
             for label in t.labels:
                 collectives.extend((label, coll, time_s) for coll, time_s in priced)
+    # an instance of a fold group runs what its representative's call runs (priced once
+    # per representative and strategy); the nodes in name order
     inner: dict[tuple[str, int], list[tuple[Collective, float]]] = {}
-    for n, k in sorted(choice.items()):
-        # an instance of a fold group runs what its representative's call runs (priced
-        # once per representative and strategy)
-        key = (rep(n), k)
-        if key not in inner:
-            inner[key] = [
+    for n in ilp.sorted_names():
+        r, k = rep_of.get(n, n), choice[n]
+        runs = inner.get((r, k))
+        if runs is None:
+            runs = inner[(r, k)] = [
                 (coll, collectives_time([coll], mesh, profile))
-                for coll in _inner_collectives(ilp.space, key[0], ilp.space.strategies[n][k])
+                for coll in _inner_collectives(ilp.space, r, ilp.space.strategies[n][k])
             ]
-        collectives.extend((f"{n}->{n}", coll, t) for coll, t in inner[key])
+        if runs:
+            collectives.extend((f"{n}->{n}", coll, t) for coll, t in runs)
     chosen = ilp.recomputed()
     recompute: list[Recompute] = []
     recompute_s = 0.0

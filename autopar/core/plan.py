@@ -163,9 +163,11 @@ class NodeChoice:
 
 
 def _nodes_and_collectives(
-    space: StrategySpace, solution: Solution
+    space: StrategySpace, solution: Solution, base: tuple[Solution, Plan] | None = None
 ) -> tuple[dict[str, NodeChoice], tuple[dict, ...]]:
-    """``Plan.from_solution``'s nodes and collectives of ``solution``."""
+    """``Plan.from_solution``'s nodes and collectives of ``solution``; ``base``: another
+    solution over ``space`` and its plan, whose node choices are taken where the node's
+    strategy, cost and host time are the same."""
     mesh = space.mesh
 
     def text(ps):
@@ -177,7 +179,21 @@ def _nodes_and_collectives(
     ops: dict[object, str] = {}
     nodes = {}
     host_s = solution.host_s
-    for name in space.order:
+    names: Sequence[str] = space.order
+    if base is not None:
+        # (an overlap round's plan differs from the first's in 1-2% of a deep step's nodes)
+        was, plan = base
+        choice, cost = solution.choice, solution.node_cost_s
+        was_choice, was_cost, was_host = was.choice, was.node_cost_s, was.host_s
+        nodes = dict(plan.nodes)  # (in space.order: the changed are replaced in place)
+        names = [
+            n
+            for n in space.order
+            if choice[n] != was_choice.get(n)
+            or cost[n] != was_cost.get(n)
+            or host_s.get(n, 0.0) != was_host.get(n, 0.0)
+        ]
+    for name in names:
         s = solution.chosen(space, name)
         made = texts.get(id(s))
         if made is None:
@@ -201,11 +217,16 @@ def _nodes_and_collectives(
         )
     collectives = []
     param_of = {node: name for name, node in space.params.items()}
+    # each edge's site read once per space (the overlap rounds' plans share most edges)
+    sites: dict[str, dict] = space.derived.setdefault("collective_sites", {})
     for label, c, t in solution.collectives:
+        site = sites.get(label)
+        if site is None:
+            site = sites[label] = _collective_site(label, space.modules, param_of)
         collectives.append(
             {
                 "edge": label,
-                **_collective_site(label, space.modules, param_of),
+                **site,
                 "kind": c.kind,
                 "axis": mesh.axis_names[c.axis],
                 "nbytes": int(c.nbytes),
@@ -305,6 +326,7 @@ class Plan:
         fingerprint: str,
         stats: dict,
         like: Plan | None = None,
+        base: tuple[Solution, Plan] | None = None,
     ) -> Plan:
         """The plan of ``solution`` (passes/solve) over ``space`` (passes/strategies).
 
@@ -312,13 +334,14 @@ class Plan:
         statistics are added, and the keys ordered by ``STATS_ORDER``. ``like``: a plan made
         of a solution with the same choice, node costs and collectives (the overlap round
         kept, passes/pipeline): its nodes and collectives are taken, not made again (each
-        linear in the step's nodes).
+        linear in the step's nodes). ``base``: another solution over ``space`` and its
+        plan (an earlier overlap round's): the node choices it shares are taken.
         """
         mesh = space.mesh
         if like is not None:
             nodes, collectives = like.nodes, like.collectives
         else:
-            nodes, collectives = _nodes_and_collectives(space, solution)
+            nodes, collectives = _nodes_and_collectives(space, solution, base)
         outputs: list = [None] * space.n_outputs
         replicated = ("R",) * mesh.ndim
         for sink in space.sinks:

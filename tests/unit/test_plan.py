@@ -355,3 +355,46 @@ def test_what_planning_made_is_freed_without_the_garbage_collector(monkeypatch):
     finally:
         gc.enable()
     assert plan.memory["step"]["peak_bytes"] > 0
+
+
+def test_a_plan_made_on_another_solutions_plan_is_the_plan_made_afresh():
+    """``Plan.from_solution``'s ``base`` (an earlier overlap round's solution and plan):
+    the node choices the two share are taken from it, the others made; the plan is the one
+    made without it, node for node and in the same order."""
+    import contextlib
+    import dataclasses
+
+    from autopar.passes.fold import fold_regions
+    from autopar.passes.solve import solve
+    from autopar.passes.strategies import build_strategies
+    from autopar.passes.trace import trace_step
+
+    cfg = GPTConfig(layers=2, hidden=32, heads=2, ffn=64, vocab=64, seq=8)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    tokens = torch.zeros(4, cfg.seq, dtype=torch.long, device="meta")
+    with contextlib.ExitStack() as stack:
+        step = trace_step(
+            model, (tokens,), loss_fn=cross_entropy_loss, example_targets=(tokens,), stack=stack
+        )
+    space = build_strategies(step, Mesh((2, 2), ("dp", "tp")), folded=fold_regions(step))
+    first = solve(space)
+    # another solution: some nodes take another strategy (and cost), one another cost alone
+    several = [n for n in space.order if len(space.strategies[n]) > 1]
+    moved = several[:: max(1, len(several) // 5)]
+    choice = dict(first.choice)
+    cost = dict(first.node_cost_s)
+    for n in moved:
+        choice[n] = (choice[n] + 1) % len(space.strategies[n])
+        cost[n] += 1e-3
+    repriced = next(n for n in space.order if n not in moved)
+    cost[repriced] += 2e-3
+    other = dataclasses.replace(first, choice=choice, node_cost_s=cost)
+    base = (first, Plan.from_solution(space, first, fingerprint="", stats={}))
+    want = Plan.from_solution(space, other, fingerprint="", stats={})
+    got = Plan.from_solution(space, other, fingerprint="", stats={}, base=base)
+    assert list(got.nodes.items()) == list(want.nodes.items())
+    assert got.to_json() == want.to_json()
+    kept = [n for n in space.order if n not in moved and n != repriced]
+    assert all(got.nodes[n] is base[1].nodes[n] for n in kept)  # taken, not made
+    assert got.nodes[repriced].cost_s == base[1].nodes[repriced].cost_s + 2e-3
