@@ -968,12 +968,14 @@ class IlpBuilder:
 
     def edge_variables(self) -> None:
         """The edges between representatives, each standing for the m graph edges onto it."""
-        space, f = self.space, self.folding
+        space, rep_of, merged = self.space, self.folding.rep_of, self.merged
         q_edges: dict[tuple, list[str]] = defaultdict(list)
         for e in space.edges:
-            if f.rep(e.dst) in self.merged:
+            dst = rep_of.get(e.dst, e.dst)
+            if dst in merged:
                 continue
-            q_edges[(f.rep(e.src), e.src_out, f.rep(e.dst), e.dst_in)].append(f"{e.src}->{e.dst}")
+            key = (rep_of.get(e.src, e.src), e.src_out, dst, e.dst_in)
+            q_edges[key].append(f"{e.src}->{e.dst}")
         for key, labels in q_edges.items():
             src, src_out, dst, dst_in = key
             cast = space.reduce_at.get(dst)

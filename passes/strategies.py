@@ -165,6 +165,20 @@ def _spec_placements(spec) -> Placements | None:
     return tuple(spec.placements)
 
 
+_dtensor_names: tuple[int, list[str]] = (0, [])  # (len(sys.modules) when read, the names)
+
+
+def _dtensor_modules() -> list:
+    """DTensor's modules (``torch.distributed.tensor*``), their names read again only where
+    modules were imported since (each rule's call reads them: ~1,000 calls a plan, and a
+    walk of every module took ~0.3 s of them)."""
+    global _dtensor_names
+    if _dtensor_names[0] != len(sys.modules):
+        names = [n for n in list(sys.modules) if n.startswith("torch.distributed.tensor")]
+        _dtensor_names = (len(sys.modules), names)
+    return [m for n in _dtensor_names[1] if (m := sys.modules.get(n)) is not None]
+
+
 @contextlib.contextmanager
 def _planning_rules():
     """Let DTensor's single-dim expansion see every candidate placement of each input.
@@ -202,12 +216,7 @@ def _planning_rules():
     # itself (cost_models/comm.py), and with dozens of candidates per input that pricing
     # dominates, so it is switched off while planning.
     real_cost = _collective_utils.redistribute_cost
-    patched = [
-        m
-        for name, m in list(sys.modules.items())
-        if name.startswith("torch.distributed.tensor")
-        and getattr(m, "redistribute_cost", None) is real_cost
-    ]
+    patched = [m for m in _dtensor_modules() if getattr(m, "redistribute_cost", None) is real_cost]
     original = sds._get_unique_placements
     sds._get_unique_placements = unique
     for m in patched:
@@ -342,6 +351,7 @@ class _SpaceBuilder:
         self.first_input: str | None = None
         self.param_nodes: dict[str, str] = {}
         self.buffer_nodes: dict[str, str] = {}
+        self.stored: dict[tuple, list[Strategy]] = {}  # a stored tensor's strategies, by shape
 
     # -- graph inputs --------------------------------------------------------------------
 
@@ -370,7 +380,12 @@ class _SpaceBuilder:
             else:
                 sp.ties.append((self.first_input, name))
         else:
-            sp.strategies[name] = _placeholder_strategies(shape, self.mesh)
+            # (one list per shape: a deep step's layers have the same parameters' shapes)
+            key = tuple(shape)
+            made = self.stored.get(key)
+            if made is None:
+                made = self.stored[key] = _placeholder_strategies(shape, self.mesh)
+            sp.strategies[name] = made
 
     # -- operators -----------------------------------------------------------------------
 
