@@ -222,6 +222,7 @@ class Liveness:
     _inputs: list[tuple[int, str, int, str, int, str | None]] | None = field(
         default=None, init=False, repr=False, compare=False
     )
+    _touching: tuple[dict, dict] | None = field(default=None, init=False, repr=False, compare=False)
 
     def tensor_inputs(self) -> list[tuple[int, str, int, str, int, str | None]]:
         """``(i, node, j, producer, output, group)`` of each tensor input j of each point i
@@ -236,6 +237,26 @@ class Liveness:
                 for j, (src, so) in enumerate(space.in_sources[name])
             ]
         return self._inputs
+
+    def touching(
+        self,
+    ) -> tuple[
+        dict[str, list[Storage]], dict[str, list[tuple[int, str, int, str, int, str | None]]]
+    ]:
+        """Each node's storages (by owner), and the tensor inputs it reads or feeds
+        (``tensor_inputs``' entries, by consumer and by producer): made once, read by
+        ``peak_bound``."""
+        if self._touching is None:
+            owned: dict[str, list[Storage]] = defaultdict(list)
+            for s in self.storages:
+                owned[s.owner].append(s)
+            reads: dict[str, list] = defaultdict(list)
+            for entry in self.tensor_inputs():
+                reads[entry[1]].append(entry)
+                if entry[3] != entry[1]:
+                    reads[entry[3]].append(entry)
+            self._touching = (dict(owned), dict(reads))
+        return self._touching
 
     def live_at(self, i: int) -> list[Storage]:
         """The storages live at point ``i`` (``len(order)``: the step's return)."""
@@ -544,6 +565,70 @@ def output_redistributions(lv: Liveness, out_ps: OutPlacement) -> list[tuple]:
 def optimizer_bytes(storage: Storage, ps: Placements | None, mesh_shape, optimizer: str) -> int:
     """Optimizer state one rank holds for a parameter shard (float32 per element)."""
     return storage.nbytes(ps, mesh_shape) // storage.dtype.itemsize * 4 * OPTIMIZERS[optimizer]
+
+
+def peak_bound(
+    lv: Liveness,
+    before: tuple[OutPlacement, InPlacement],
+    after: tuple[OutPlacement, InPlacement],
+    changed: Collection[str],
+    peak_bytes: int,
+    optimizer: str = "adamw",
+    recompute: Collection[str] = (),
+) -> int:
+    """At least ``measure``'s peak under the placements ``after``, from its peak under
+    ``before`` (``peak_bytes``; the same ``lv``, ``optimizer`` and ``recompute``) where only
+    the nodes ``changed`` place their outputs or inputs otherwise; linear in what they
+    touch, not in the step.
+
+    Every storage, reshard and graph output's redistribution lives over the same points
+    under both, so at any point the total changes by the sum of their changes there, and
+    the optimizer state's change at every point: the old peak, plus the optimizer state's
+    change, plus each of the others' growth (where each grows), bounds the new total at
+    every point. Buckets (``lv.early``) are not bounded: a ValueError."""
+    if lv.early:
+        raise ValueError("peak_bound: a step with buckets (measure it)")
+    space = lv.space
+    mesh_shape = tuple(space.mesh.shape)
+    nbytes = sizer(mesh_shape)
+    params = set(lv.params)
+    owned, reads = lv.touching()
+    grow = 0
+
+    def stored(s: Storage, out_ps: OutPlacement) -> tuple[int, int]:
+        ps = out_ps(s.owner, s.out)
+        size = nbytes(s.shape, s.dtype, ps) if s.counted else 0
+        return size, optimizer_bytes(s, ps, mesh_shape, optimizer) if s.owner in params else 0
+
+    def resharded(entry, out_ps: OutPlacement, in_ps: InPlacement) -> int:
+        _, name, j, src, so, _ = entry
+        q = in_ps(name, j)
+        p = None if q is None else out_ps(src, so)
+        if p is None or q is None or p is q or tuple(p) == tuple(q):
+            return 0
+        shape, dtype = space.tensor(src, so)
+        return nbytes(tuple(shape), dtype, q)
+
+    storages = {id(s): s for n in changed for s in owned.get(n, ())}
+    for s in storages.values():
+        if not s.counts(recompute):
+            continue
+        (was, was_opt), (now, now_opt) = stored(s, before[0]), stored(s, after[0])
+        grow += max(0, now - was) + now_opt - was_opt  # (the optimizer's at every point)
+    entries = {(e[0], e[2]): e for n in changed for e in reads.get(n, ())}
+    for e in entries.values():
+        if e[5] is not None and e[5] not in recompute:  # (a copy not in this step)
+            continue
+        grow += max(0, resharded(e, *after) - resharded(e, *before))
+
+    def outputs(out_ps: OutPlacement) -> int:
+        return sum(
+            local_bytes(*space.tensor(src, so), target, mesh_shape)
+            for src, so, target, _ in output_redistributions(lv, out_ps)
+        )
+
+    grow += max(0, outputs(after[0]) - outputs(before[0]))  # (all at the step's return)
+    return peak_bytes + grow
 
 
 def measure(

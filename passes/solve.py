@@ -311,7 +311,15 @@ from autopar.cost_models import (
 )
 
 from . import remat, rules, vocab
-from .memory import Liveness, MemoryReport, liveness, local_bytes, measure, optimizer_bytes
+from .memory import (
+    Liveness,
+    MemoryReport,
+    liveness,
+    local_bytes,
+    measure,
+    optimizer_bytes,
+    peak_bound,
+)
 from .order import ready_nodes
 from .pins import Pin, check_folding
 
@@ -767,6 +775,9 @@ class IlpBuilder:
         # (each is linear in the step's nodes; a round reads both two or three times)
         self._read_of: tuple[tuple | None, int, dict[str, Any]] = (None, 0, {})
         self.lv: Liveness | None = None  # the liveness the memory cuts are made on
+        # the last plan ``evaluate`` measured: (its liveness, layers checkpointed, choice,
+        # peak), which ``peak_bound`` bounds the next from
+        self._measured: tuple[Liveness, set[str], dict[str, int], int] | None = None
         self.rounds: list[float] = []  # each overlap round's step, seconds ("Overlap")
         # the kept round's solution as its step was judged (read_solution ``like``), where
         # the rounds read one: the values held are restored, so it is the plan read again
@@ -1169,16 +1180,32 @@ class IlpBuilder:
     def evaluate(self, lv: Liveness) -> MemoryReport:
         """The step memory (passes/memory) of the strategies the solver set: its peak and
         timeline, not laid out (the rounds read the peak alone)."""
+        choice, recompute = self.choice(), self.recomputed()
+        report = measure(lv, *self._placements(choice), self.optimizer, recompute, layout=False)
+        self._measured = (lv, recompute, choice, report.peak_bytes)
+        return report
+
+    def peak_bound(self, lv: Liveness) -> int | None:
+        """At least the step memory's peak of the strategies the solver set (passes/memory
+        ``peak_bound``), from the last plan ``evaluate`` measured on ``lv`` with the same
+        layers checkpointed; linear in the nodes whose strategy changed (an overlap round's
+        plan changes 1-2% of a deep step's). None where there is no such plan."""
+        if self._measured is None:
+            return None
+        was_lv, was_recompute, was, peak = self._measured
+        recompute = self.recomputed()
+        if was_lv is not lv or was_recompute != recompute or lv.early:
+            return None
+        choice = self.choice()
+        changed = [n for n, k in choice.items() if was[n] != k]
+        before, after = self._placements(was), self._placements(choice)
+        return peak_bound(lv, before, after, changed, peak, self.optimizer, recompute)
+
+    def _placements(self, choice: Mapping[str, int]) -> tuple[Callable, Callable]:
+        """The placements of the plan ``choice`` as passes/memory reads them."""
         strats = self.space.strategies
-        pick = {n: strats[n][k] for n, k in self.choice().items()}
-        return measure(
-            lv,
-            lambda n, o: pick[n].out[o],
-            lambda n, j: pick[n].ins[j],
-            self.optimizer,
-            self.recomputed(),
-            layout=False,
-        )
+        pick = {n: strats[n][k] for n, k in choice.items()}
+        return (lambda n, o: pick[n].out[o]), (lambda n, j: pick[n].ins[j])
 
     def objective(self, coef: dict | None = None) -> None:
         """min sum of the coefficients gathered (``coef``: use these instead), the hiding
@@ -1773,6 +1800,14 @@ class _Lives:
         return True
 
 
+@dataclass(frozen=True)
+class _PeakBound:
+    """In place of a round's ``MemoryReport`` where a bound of its peak fits the budget
+    (``IlpBuilder.peak_bound``): at least its peak, not measured."""
+
+    peak_bytes: int
+
+
 def _bounded(
     ilp: IlpBuilder,
     lives: _Lives,
@@ -1966,7 +2001,7 @@ def solve(
         step: float,
         scales: dict[tuple[str, int], float | None],
         status: int,
-        report: MemoryReport | None,
+        report: MemoryReport | _PeakBound | None,
     ) -> tuple[IlpBuilder, int, MemoryReport | None]:
         """The overlap rounds after the first solve (``step``, ``scales``: its overlap).
         Where the solver can (``BESIDE_SOLVERS``), a round whose shares are known is solved
@@ -2047,17 +2082,26 @@ def solve(
         ilp.objective()
         ilp.restore(solution)
         ilp.rounds = rounds
+        if isinstance(report, _PeakBound):  # (the kept plan's step memory, measured)
+            report = ilp.evaluate(lives.now)
         return ilp, status, report
 
-    def take(ilp: IlpBuilder, beside: _SolveBeside) -> tuple[int, MemoryReport | None]:
+    def take(ilp: IlpBuilder, beside: _SolveBeside) -> tuple[int, MemoryReport | _PeakBound | None]:
         """The round solved beside, as ``once`` would have solved it in place: its plan,
-        where no memory cut binds it, else the round solved here."""
+        where no memory cut binds it, else the round solved here. Its step memory is the
+        bound from the last plan measured where that fits the budget (``_PeakBound``:
+        then no cut binds), else measured."""
         status, held = beside.result()
         if held is None:
             return once(ilp)
         ilp.restore(held)
         if budget is None:
             return status, None
+        # where a bound from the last plan measured fits, no cut can bind: measured only
+        # where the rounds keep it (``rounds_from``)
+        bound = ilp.peak_bound(lives.now)
+        if bound is not None and bound <= budget:
+            return status, _PeakBound(bound)
         report = ilp.evaluate(lives.now)
         if _new_cuts(ilp, report, budget):
             return once(ilp)

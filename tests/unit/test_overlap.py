@@ -297,3 +297,33 @@ def test_an_emitted_step_above_the_budget_the_solver_kept_is_said(monkeypatch):
     assert plan.memory["step"]["peak_bytes"] > budget
     (said,) = [w for w in plan.warnings if "emitted step" in w]
     assert "above the budget" in said and plan.stats["peak_bytes"] <= budget
+
+
+def test_rounds_bounded_from_the_last_plan_measured_give_the_plan_of_rounds_measured(
+    monkeypatch,
+):
+    """A round solved beside takes a bound of its step memory's peak from the last plan
+    measured where the bound fits the budget (passes/solve ``_PeakBound``): the rounds,
+    the plan and its peak are those of every round measured, and the peak is the kept
+    plan's, measured."""
+    import autopar.passes.solve as solve_pass
+
+    mesh, model, tokens, kw = _middle_on_four_nodes()
+    kw["constraints"] = {"input:0": "S(0)"}
+    bounds = []
+    bound = solve_pass.IlpBuilder.peak_bound
+    monkeypatch.setattr(
+        solve_pass.IlpBuilder,
+        "peak_bound",
+        lambda self, lv: bounds.append(bound(self, lv)) or bounds[-1],
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        bounded = autopar.plan(model, mesh, (tokens,), **kw)
+        monkeypatch.setattr(solve_pass.IlpBuilder, "peak_bound", lambda self, lv: None)
+        measured = autopar.plan(model, mesh, (tokens,), **kw)
+    assert [b for b in bounds if b is not None], "no round took a bound"
+    assert bounded.stats["overlap_rounds"] == measured.stats["overlap_rounds"]
+    assert bounded.stats["peak_bytes"] == measured.stats["peak_bytes"]
+    assert bounded.collectives == measured.collectives
+    assert bounded.cost["total_s"] == measured.cost["total_s"]
