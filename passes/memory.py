@@ -72,6 +72,12 @@ arena per rank (passes/layout) in the order the step runs; the peak counts no
 fragmentation, the arena does. The solver's own measurements of its plans (passes/solve,
 which reads their peaks alone) are not laid out (``layout=False``: ``arena_bytes`` 0).
 
+A bound without a sweep: ``peak_bound`` takes a measured plan's peak to another plan that
+places some nodes otherwise. Each storage, reshard and graph output lives over the same
+points under both, so the other's total at any point is the first's plus their changes
+there; the first's peak, plus the optimizer state's change and every one of them that grows,
+is at least the other's peak (the solver's overlap rounds check their plans' budget so).
+
 What it leaves out: the allocator's rounding and fragmentation, and kernels' own workspace.
 Where it can be off: the emitted step runs aot_autograd's partitioned forward and backward
 (``default_partition``: it saves what the backward reads, and keeps the joint graph's order

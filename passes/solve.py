@@ -145,7 +145,12 @@ last check fits, and every plan that fits satisfies every cut: the loop loses no
 budget that binds costs a few rounds, each a whole solve; the spans' cuts bound in one
 round the points a plan moves its peak to when the peak alone is bounded (GPT (2 layers)
 unfolded on (4,) at 30% of one device's bytes, h100 profile: ILP 19.6 s instead of 21.9 s,
-and 26.5 s instead of 50.4 s with checkpointing). Unbound, it costs one measurement. ``memory_budget`` defaults
+and 26.5 s instead of 50.4 s with checkpointing). Unbound, it costs one measurement; an
+overlap round solved beside costs none where a bound of its peak fits: the last measured
+plan's peak, plus the optimizer state's change and each storage's, reshard's and graph
+output's growth over the nodes whose strategy changed (passes/memory ``peak_bound``; at
+every point the total changes by the sum of their changes there), so no cut binds it; the
+kept round is measured (``_PeakBound``). ``memory_budget`` defaults
 (pipeline) to the device profile's ``usable_memory`` (capacity less a stated reserve).
 An impossible budget is reported with the smallest one that fits and the category that
 dominates it (``smallest_budget``: min M over the same ILP with bytes(i) <= M at the points
