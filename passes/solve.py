@@ -1193,8 +1193,9 @@ class IlpBuilder:
     def peak_bound(self, lv: Liveness) -> int | None:
         """At least the step memory's peak of the strategies the solver set (passes/memory
         ``peak_bound``), from the last plan ``evaluate`` measured on ``lv`` with the same
-        layers checkpointed; linear in the nodes whose strategy changed (an overlap round's
-        plan changes 1-2% of a deep step's). None where there is no such plan."""
+        layers checkpointed: its sums run over what the nodes whose strategy changed touch
+        (an overlap round's plan changes 1-2% of a deep step's), not over the step's points.
+        None where there is no such plan."""
         if self._measured is None:
             return None
         was_lv, was_recompute, was, peak = self._measured
