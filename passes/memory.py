@@ -584,8 +584,8 @@ def peak_bound(
 ) -> int:
     """At least ``measure``'s peak under the placements ``after``, from its peak under
     ``before`` (``peak_bytes``; the same ``lv``, ``optimizer`` and ``recompute``) where only
-    the nodes ``changed`` place their outputs or inputs otherwise; linear in what they
-    touch, not in the step.
+    the nodes ``changed`` place their outputs or inputs otherwise; linear in the storages
+    and inputs they touch (and the graph outputs, summed whole), not in the step's points.
 
     Every storage, reshard and graph output's redistribution lives over the same points
     under both, so at any point the total changes by the sum of their changes there, and
