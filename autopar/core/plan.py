@@ -25,7 +25,7 @@ import torch
 from .mesh import Mesh
 from .placements import parse_placements, placement_str
 from .roles import op_name
-from .schedule import COMPUTE, inside_op, schedule, step_length
+from .schedule import COMPUTE, inside_op, schedule, schedule_length
 from .space import Recompute, Solution, StrategySpace
 from .version import __version__
 
@@ -443,7 +443,7 @@ class Plan:
         where it is issued, except, where the profile overlaps collectives, the gradient
         buckets (passes/buckets), which overlap the rest of the backward, and the reshards
         issued ahead of their consumers (passes/prefetch)."""
-        return step_length(schedule(self))
+        return schedule_length(self)
 
     def host_s(self) -> float:
         """Where the host runs ahead of the device on its own clock (core/schedule): the

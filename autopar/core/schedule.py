@@ -66,7 +66,8 @@ Two issue rules give two schedules:
       when ``src`` ends, a gradient reduction when its gradient does), as a prefetching,
       DDP-style runtime would. Its length shows what overlap the plan leaves room for.
 
-``Plan.emitted_step_s()`` is the emitted schedule's length: the step time the plan predicts
+``Plan.emitted_step_s()`` is the emitted schedule's length (``schedule_length``: the same
+simulation, without a span per point): the step time the plan predicts
 for the step codegen emits, which overlaps its gradient buckets and the reshards it
 issues ahead (passes/prefetch), and nothing else. It is
 ``plan.cost["total_s"]`` once the buckets stage ran; the solver's objective
@@ -97,6 +98,7 @@ __all__ = [
     "purpose",
     "schedule",
     "schedule_inputs",
+    "schedule_length",
     "step_length",
     "step_points",
 ]
@@ -170,6 +172,8 @@ def _points(plan: Plan) -> list[str]:
     nodes = (step.get("timeline") or {}).get("nodes")
     if nodes:
         return [n for n in nodes if n != "output"]
+    if not plan.recompute:  # (no copies: the order itself)
+        return list(plan.order or plan.nodes)
     return [p for p, _, _ in step_points(plan.order or list(plan.nodes), plan.recompute)]
 
 
@@ -220,6 +224,22 @@ def _comm_span(c: dict, start: float) -> Span:
 def schedule(plan: Plan, *, overlap: bool = False) -> list[Span]:
     """The two streams of one rank's step (module docstring), compute then communication
     spans, each in time order, then the host's where it has its own clock."""
+    compute, comm, hosted, _ = _run(plan, overlap, True)
+    return compute + sorted(comm, key=lambda s: s.start_s) + hosted
+
+
+def schedule_length(plan: Plan, *, overlap: bool = False) -> float:
+    """``step_length(schedule(plan, overlap=overlap))``, without the compute stream's spans
+    (one per point: ~18,000 in a 96-layer step, judged once per overlap round)."""
+    _, comm, hosted, compute_end = _run(plan, overlap, False)
+    return max(compute_end, step_length(comm), step_length(hosted))
+
+
+def _run(
+    plan: Plan, overlap: bool, spans: bool
+) -> tuple[list[Span], list[Span], list[Span], float]:
+    """``schedule``'s streams: the compute spans (where ``spans``), the communication
+    spans as issued, the host's, and where the compute stream's last span ends."""
     points = _points(plan)
     position = {p: i for i, p in enumerate(points)}
     into: dict[str, list[dict]] = defaultdict(list)  # reshards, by the point that waits
@@ -289,6 +309,7 @@ def schedule(plan: Plan, *, overlap: bool = False) -> list[Span]:
     clock = plan.cost.get("runtime_s", 0.0)  # the host's fixed time, before the first node
     host = plan.cost.get("host_start_s", 0.0)  # the host's own clock, where it has one
     hosted: list[Span] = []
+    compute_end = 0.0
     if host > 0:
         hosted.append(Span(HOST, "runtime", 0.0, host, "", "the runtime's shards in"))
     for p in points:
@@ -308,7 +329,9 @@ def schedule(plan: Plan, *, overlap: bool = False) -> list[Span]:
         if p in inside:
             issue(inside[p], start)
         if node is not None and (dur > 0 or node.op != "placeholder"):
-            compute.append(Span(COMPUTE, p, start, dur, node.module, node.op))
+            if spans:
+                compute.append(Span(COMPUTE, p, start, dur, node.module, node.op))
+            compute_end = start + dur  # (the stream's clock only grows)
         clock = start + dur
         issued = after.get(p)  # buckets, and reshards issued ahead (prefetched)
         if overlap:
@@ -325,7 +348,7 @@ def schedule(plan: Plan, *, overlap: bool = False) -> list[Span]:
     end = plan.cost.get("host_end_s", 0.0)
     if end > 0:
         hosted.append(Span(HOST, "runtime", host, end, "", "the runtime's gradients out"))
-    return compute + sorted(comm, key=lambda s: s.start_s) + hosted
+    return compute, comm, hosted, compute_end
 
 
 def _flat(d: dict[str, list[dict]]) -> list[dict]:

@@ -11,7 +11,7 @@ import pytest
 
 from autopar.cli import main
 from autopar.core.plan import Plan
-from autopar.core.schedule import purpose
+from autopar.core.schedule import purpose, schedule_length
 from autopar.report import (
     COMM,
     COMPUTE,
@@ -358,3 +358,19 @@ def test_a_host_behind_the_device_sets_the_step_and_one_ahead_of_it_does_not():
     # and the plan's JSON keeps the host's times
     again = Plan.from_json(behind.to_json())
     assert again.emitted_step_s() == pytest.approx(step_length(spans), rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    "name", sorted(p.name.removesuffix(".json.gz") for p in GOLDEN.glob("*.json.gz"))
+)
+def test_the_step_length_without_the_compute_spans_is_the_schedules(name):
+    """``schedule_length`` (the overlap rounds' judge: no span per point) is the length of
+    ``schedule``'s spans, to the bit: each golden plan as it is (its memory timeline's
+    points) and without its timeline (its order, with its checkpointed layers' copies),
+    with the host on its own clock behind and ahead of the device, both issue rules."""
+    plan = _golden(name)
+    untimed = dataclasses.replace(plan, memory={})
+    for p in (plan, untimed, _with_host(plan, 1e-3, 2e-3, 3e-3), _with_host(untimed, 1e-12, 0, 0)):
+        for overlap in (False, True):
+            assert schedule_length(p, overlap=overlap) == step_length(schedule(p, overlap=overlap))
+    assert untimed.emitted_step_s() == step_length(schedule(untimed))
