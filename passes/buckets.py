@@ -180,13 +180,13 @@ def candidates(space: StrategySpace, plan: Plan) -> list[tuple]:
     """``(sink position, its collectives, producer index, producer, reduce op, dtype,
     local numel as made)`` of each gradient whose reduction a bucket can run (module
     docstring), in the order made."""
-    order = list(plan.order) if plan.order else list(space.order)
-    index = {n: i for i, n in enumerate(order)}
-    mesh = plan.mesh
-    names = mesh.axis_names
+    index = {n: i for i, n in enumerate(plan.order)} if plan.order else space.position
     per_edge: dict[str, list[dict]] = defaultdict(list)
     for c in plan.collectives:
         per_edge[c["edge"]].append(c)
+    # what a gradient's placements, collectives and tensor make of it, once per space (a
+    # fold group's layers share them; each overlap round reads every gradient)
+    made_of: dict[tuple, tuple | None] = space.derived.setdefault("bucket_candidates", {})
     found = []
     for sink in space.sinks:
         if sink.like is None or space.roles[sink.like] != roles.PARAM:
@@ -199,24 +199,37 @@ def candidates(space: StrategySpace, plan: Plan) -> list[tuple]:
         dst_ps = plan.nodes[sink.like].out[0]
         if src_ps is None or dst_ps is None:
             continue
-        src_p = parse_placements(src_ps)
-        reduced = reductions(src_p, parse_placements(dst_ps))
-        if reduced is None:
-            continue
-        scattered = {names[a]: d for a, d in reduced.items()}
         steps = tuple((c["kind"], c["axis"]) for c in cs)
-        how = chain(steps, scattered)
-        if how is None:
-            continue
         shape, dtype = space.tensor(sink.src, 0)
-        made = local_shape(tuple(shape), src_p, mesh.shape)
-        if how == "direct" and not _splits_evenly(made, steps, scattered, mesh):
-            continue
-        op = str(getattr(src_p[next(iter(reduced))], "reduce_op", "sum"))
-        numel = math.prod(made)
-        found.append((sink.position, cs, index[sink.src], sink.src, op, dtype, numel))
+        key = (src_ps, dst_ps, steps, tuple(shape), dtype)
+        if key not in made_of:
+            made_of[key] = _reduction(plan.mesh, src_ps, dst_ps, steps, tuple(shape))
+        made = made_of[key]
+        if made is not None:
+            op, numel = made
+            found.append((sink.position, cs, index[sink.src], sink.src, op, dtype, numel))
     found.sort(key=lambda f: (f[2], f[0]))
     return found
+
+
+def _reduction(
+    mesh, src_ps: tuple[str, ...], dst_ps: tuple[str, ...], steps: tuple, shape: tuple
+) -> tuple[str, int] | None:
+    """``(reduce op, local numel as made)`` of a gradient of ``shape`` made as ``src_ps``
+    and held as ``dst_ps``, reduced by the collectives ``steps``, where a bucket can run
+    that reduction (``chain``); else None."""
+    src_p = parse_placements(src_ps)
+    reduced = reductions(src_p, parse_placements(dst_ps))
+    if reduced is None:
+        return None
+    scattered = {mesh.axis_names[a]: d for a, d in reduced.items()}
+    how = chain(steps, scattered)
+    if how is None:
+        return None
+    made = local_shape(shape, src_p, mesh.shape)
+    if how == "direct" and not _splits_evenly(made, steps, scattered, mesh):
+        return None
+    return str(getattr(src_p[next(iter(reduced))], "reduce_op", "sum")), math.prod(made)
 
 
 def _splits_evenly(made, steps, scattered, mesh) -> bool:

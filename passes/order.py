@@ -155,13 +155,19 @@ def ready_nodes(space: StrategySpace, fed: Collection[str] = ()) -> frozenset[st
     passes/prefetch runs them ahead, so that a reshard of their output is issued early.
 
     Those with ``fed`` empty are made once per space (``StrategySpace.derived``); where no
-    node of ``fed`` is among them, ``fed`` takes none away, and they are the answer."""
+    node of ``fed`` is among them, ``fed`` takes none away, and they are the answer; else
+    those of ``fed`` go, and each of them that reads one gone (read in step order, among
+    those alone: a node of them reads only nodes of them)."""
     every = space.derived.get("ready_nodes")
     if every is None:
-        every = space.derived["ready_nodes"] = _ready(space, ())
+        every = space.derived["ready_nodes"] = _ready(space)
     if every.isdisjoint(fed):
         return every
-    return _ready(space, fed)
+    gone: set[str] = set()
+    for n in space.derived["ready_operators"]:
+        if n in fed or any(s in gone for s, _ in space.in_sources[n]):
+            gone.add(n)
+    return every - gone
 
 
 def prepare(space: StrategySpace, gm: torch.fx.GraphModule) -> None:
@@ -172,19 +178,23 @@ def prepare(space: StrategySpace, gm: torch.fx.GraphModule) -> None:
     ready_nodes(space)
 
 
-def _ready(space: StrategySpace, fed: Collection[str]) -> frozenset[str]:
+def _ready(space: StrategySpace) -> frozenset[str]:
+    """``ready_nodes(space)``; its operators, in step order, into
+    ``space.derived["ready_operators"]``."""
     found = {n for n in space.order if space.roles[n] in (roles.PARAM, roles.BUFFER)}
+    operators = []
     for n in space.order:
         target = space.targets[n]
         ins = space.in_sources[n]
         if (
             target != "placeholder"
             and ins
-            and n not in fed
             and not mutates_or_draws(target)
             and all(s in found for s, _ in ins)
         ):
             found.add(n)
+            operators.append(n)
+    space.derived["ready_operators"] = operators
     return frozenset(found)
 
 

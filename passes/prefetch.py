@@ -109,9 +109,41 @@ def _chain(space: StrategySpace, node: str, ready: Set[str]) -> set[str]:
     return found
 
 
-def _sequence(space: StrategySpace, plan: Plan, order: list[str]) -> list[list[dict]]:
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Order:
+    """An order of the step's nodes, with what the rules read of it: each node's position,
+    whether it runs in the backward, and where the backward and the forward's operators
+    begin."""
+
+    names: Sequence[str]
+    position: dict[str, int]
+    backward: list[bool]
+    first_backward: int
+    first_forward: int
+
+
+def _order_of(space: StrategySpace, names: Sequence[str]) -> _Order:
+    """``names`` as an ``_Order``; the traced order's made once per space (each overlap
+    round's plan after the first is judged in it, passes/pipeline)."""
+    traced = names is space.order
+    if traced and "prefetch_order" in space.derived:
+        return space.derived["prefetch_order"]
+    backward = [space.roles[n] == roles.BACKWARD for n in names]
+    made = _Order(
+        names,
+        {n: i for i, n in enumerate(names)},
+        backward,
+        backward.index(True) if any(backward) else len(names),
+        next(i for i, n in enumerate(names) if space.targets[n] != "placeholder"),
+    )
+    if traced:
+        space.derived["prefetch_order"] = made
+    return made
+
+
+def _sequence(space: StrategySpace, plan: Plan, order: _Order) -> list[list[dict]]:
     """Per mesh axis, the candidates in the order their consumers run in ``order``."""
-    position = {n: i for i, n in enumerate(order)}
+    position = order.position
     by_axis: dict[str, list[dict]] = defaultdict(list)
     for c in _candidates(space, plan, position):
         by_axis[c["axis"]].append(c)
@@ -120,25 +152,25 @@ def _sequence(space: StrategySpace, plan: Plan, order: list[str]) -> list[list[d
     return list(by_axis.values())
 
 
-def _moved_ahead(space: StrategySpace, plan: Plan, order: list[str]) -> tuple[list[str], list[str]]:
+def _moved_ahead(
+    space: StrategySpace, plan: Plan, order: _Order, sequence: list[list[dict]]
+) -> tuple[Sequence[str], list[str]]:
     """``order`` with each candidate's input that is one of ``ready_nodes`` (passes/order)
     and is made after the point its reshard would be issued at, moved there with the ready
-    nodes it reads (module docstring, "The model's state"); and the nodes moved."""
+    nodes it reads (module docstring, "The model's state"), and the nodes moved; the
+    candidates of ``order`` in ``sequence`` (``_sequence``)."""
     fed = {edge_ends(c["edge"])[1] for c in plan.collectives if purpose(c) == "reshard"}
     ready = ready_nodes(space, fed)
-    position = {n: i for i, n in enumerate(order)}
-    backward = [space.roles[n] == roles.BACKWARD for n in order]
-    first_backward = backward.index(True) if any(backward) else len(order)
-    first_forward = next(i for i, n in enumerate(order) if space.targets[n] != "placeholder")
+    position, backward = order.position, order.backward
     before: dict[str, int] = {}  # moved node -> the position it is put before
-    for cs in _sequence(space, plan, order):
+    for cs in sequence:
         previous = None
         for c in cs:
             src, dst = edge_ends(c["edge"])
             if backward[position[dst]]:
-                start = first_backward + 1
+                start = order.first_backward + 1
             else:
-                start = first_forward
+                start = order.first_forward
             at = start if previous is None else max(start, previous)
             previous = position[dst]
             if src not in ready or position[src] < at:
@@ -147,13 +179,13 @@ def _moved_ahead(space: StrategySpace, plan: Plan, order: list[str]) -> tuple[li
                 if position[n] >= at:
                     before[n] = min(before.get(n, at), at)
     if not before:
-        return order, []
+        return order.names, []
     slots: dict[int, list[str]] = defaultdict(list)
-    for n in order:  # the moved nodes keep their order among themselves
+    for n in order.names:  # the moved nodes keep their order among themselves
         if n in before:
             slots[before[n]].append(n)
     out: list[str] = []
-    for i, n in enumerate(order):
+    for i, n in enumerate(order.names):
         out.extend(slots.get(i, ()))
         if n not in before:
             out.append(n)
@@ -173,13 +205,15 @@ def prefetch_measured(
     that plan, which the overlap rounds take rather than measure again (passes/pipeline)."""
     if not overlaps_collectives(plan.mesh):
         return plan, None
-    given = list(plan.order) if plan.order else list(space.order)
-    order, moved = _moved_ahead(space, plan, given)
-    position = {n: i for i, n in enumerate(order)}
-    backward = [space.roles[n] == roles.BACKWARD for n in order]
-    first_backward = backward.index(True) if any(backward) else len(order)
+    given = _order_of(space, plan.order or space.order)
+    sequence = _sequence(space, plan, given)
+    order, moved = _moved_ahead(space, plan, given, sequence)
+    if moved:
+        given = _order_of(space, order)
+        sequence = _sequence(space, plan, given)
+    position, backward, first_backward = given.position, given.backward, given.first_backward
     early: dict[int, str] = {}  # id(collective) -> the node after which it is issued
-    for cs in _sequence(space, plan, order):
+    for cs in sequence:
         previous = None  # the consumer of the axis's reshard before
         for c in cs:
             src, dst = edge_ends(c["edge"])

@@ -210,6 +210,11 @@ class StrategySpace:
             ins[e.dst].append((e.dst_in, e.src, e.src_out))
         return {n: [(src, so) for _, src, so in sorted(v)] for n, v in ins.items()}
 
+    @functools.cached_property
+    def position(self) -> dict[str, int]:
+        """Node name -> its index in ``order`` (the traced order)."""
+        return {n: i for i, n in enumerate(self.order)}
+
     def n_strategies(self) -> int:
         return sum(len(s) for s in self.strategies.values())
 

@@ -277,6 +277,54 @@ def test_a_step_whose_peak_every_order_shares_is_proven_in_traced_order():
     assert plan.stats["order_searched"] == 0  # proven by the bound: nothing searched
 
 
+def _ready_by_definition(space, fed) -> frozenset:
+    """``ready_nodes``' docstring, from scratch: the model's state, and each operator that
+    reads only it and such operators, is not fed by a reshard, and neither writes nor draws."""
+    found = {n for n in space.order if space.roles[n] in ("param", "buffer")}
+    for n in space.order:
+        ins = space.in_sources[n]
+        if space.targets[n] == "placeholder" or not ins or n in fed:
+            continue
+        if not order.mutates_or_draws(space.targets[n]) and all(s in found for s, _ in ins):
+            found.add(n)
+    return frozenset(found)
+
+
+def test_what_a_reshard_into_the_model_states_computations_takes_away_is_the_definitions():
+    """A GPT in bf16: each weight's cast, and what reads the cast (a transpose). Whatever
+    ``fed`` takes away from the nodes made once is what the definition gives afresh, and a
+    cast fed takes its readers with it."""
+    from autopar.models import GPT, GPTConfig, cross_entropy_loss
+
+    cfg = GPTConfig(vocab=64, seq=8, hidden=32, heads=2, layers=2, ffn=64)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    tokens = torch.zeros(2, cfg.seq, dtype=torch.long, device="meta")
+    mp = autopar.MixedPrecision(torch.bfloat16, reduce_dtype=torch.float32)
+    with contextlib.ExitStack() as stack:
+        step = trace_step(model, (tokens,), loss_fn=cross_entropy_loss,
+                          example_targets=(tokens,), stack=stack, mp_policy=mp)  # fmt: skip
+        space = build_strategies(step, autopar.Mesh((2,), ("dp",), device="cpu"))
+    every = order.ready_nodes(space)
+    assert every == _ready_by_definition(space, ())
+    made = [n for n in space.order if n in every and space.targets[n] != "placeholder"]
+    casts = [
+        n for n in made if any(s in made for n2 in made for s, _ in space.in_sources[n2] if s == n)
+    ]
+    assert len(made) > 10 and casts
+    cases = [
+        {made[0]},
+        {made[len(made) // 2]},
+        set(made[::3]),
+        {casts[-1], "not a node"},
+        set(casts),
+    ]
+    for fed in cases:
+        fewer = order.ready_nodes(space, fed)
+        assert fewer == _ready_by_definition(space, fed), sorted(fed)
+    assert len(every - order.ready_nodes(space, {casts[0]})) >= 2  # the cast and its readers
+
+
 def test_the_model_states_computations_are_made_once_and_a_reshard_into_one_takes_it_away():
     *_, plan, step = _planned(Branches(), ONE)
     space = build_strategies(step, ONE)
