@@ -193,9 +193,14 @@ def _attach_unattributed(nodes, region: dict[str, str], free: set[str]) -> None:
             break
 
 
+@functools.cache
+def _dtype_text(dtype) -> str:
+    return str(dtype)
+
+
 def _shape_key(v):
     if isinstance(v, torch.Tensor):
-        return (tuple(v.shape), str(v.dtype))
+        return (tuple(v.shape), _dtype_text(v.dtype))
     if isinstance(v, (list, tuple)):
         return tuple(_shape_key(x) for x in v)
     return type(v).__name__
@@ -210,41 +215,66 @@ def _canonical(
     members: list[torch.fx.Node],
     out_kind: dict[str, list],
     attached: AbstractSet[str] = frozenset(),
+    outside: dict[torch.fx.Node, tuple] | None = None,
 ) -> tuple:
     """The labelled graph of a region as a tuple: equal tuples, isomorphic regions.
 
-    Nodes in ``attached`` (joined by their neighbours, not by a module path) are marked."""
-    local = {n.name: i for i, n in enumerate(members)}
+    Nodes in ``attached`` (joined by their neighbours, not by a module path) are marked. A
+    node's input from inside the region is its position there (an int), one from outside
+    its shape (``outside``: those made, by node, shared by the regions' calls)."""
+    local = {n: i for i, n in enumerate(members)}
+    named: dict[str, int] = {}  # (by name: the parameters the gradients are like)
     Node = torch.fx.Node
+    ext = {} if outside is None else outside
 
     def form_of(a):
         kind = type(a)
         if kind is Node or isinstance(a, Node):
-            at = local.get(a.name)
+            at = local.get(a)
             if at is not None:
-                return ("in", at)
-            return ("ext", _shape_key(a.meta.get("val")))
+                return at
+            made = ext.get(a)
+            if made is None:
+                made = ext[a] = ("ext", _shape_key(a.meta.get("val")))
+            return made
         if kind is tuple or kind is list or isinstance(a, (list, tuple)):
             return (kind.__name__, *map(form_of, a))
         if isinstance(a, dict):
             return ("dict",) + tuple((k, form_of(v)) for k, v in a.items())
-        return repr(a)
+        return repr(a)  # (a str: never equal to an input's position)
+
+    def args_of(args: tuple) -> tuple:  # form_of(args) less its tag: the common kinds inline
+        out = []
+        for a in args:
+            kind = type(a)
+            if kind is Node:
+                at = local.get(a)
+                out.append(form_of(a) if at is None else at)
+            elif kind is int or kind is float or kind is bool or a is None:
+                out.append(repr(a))
+            elif kind is list and all(type(x) is int for x in a):
+                out.append(("ints", *a))  # (a shape, a dim list: not a list of inputs)
+            else:
+                out.append(form_of(a))
+        return tuple(out)
 
     form = []
     for n in members:
         args: tuple
+        meta = n.meta
         if n.op == "placeholder":
-            head = ("placeholder", n.meta.get(roles.META_ROLE, ""))
+            head = ("placeholder", meta.get(roles.META_ROLE, ""))
             args = ()
         else:
-            head = (_target_text(n.target), n.meta.get(roles.META_ROLE, ""))
-            args = (form_of(n.args), form_of(n.kwargs))
-        outs = tuple(
-            ("grad", local.get(like, "ext")) if like else ("plain",)
-            for like in out_kind.get(n.name, ())
-        )
-        mark = n.name in attached
-        form.append((head, mark, _shape_key(n.meta.get("val")), args, outs))
+            head = (_target_text(n.target), meta.get(roles.META_ROLE, ""))
+            args = (args_of(n.args), form_of(n.kwargs) if n.kwargs else ())
+        kinds = out_kind.get(n.name)
+        outs: tuple = ()
+        if kinds:
+            if not named:
+                named.update((m.name, i) for i, m in enumerate(members))
+            outs = tuple(("grad", named.get(like, "ext")) if like else ("plain",) for like in kinds)
+        form.append((head, n.name in attached, _shape_key(meta.get("val")), args, outs))
     return tuple(form)
 
 
