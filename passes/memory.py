@@ -92,7 +92,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import defaultdict
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -547,12 +547,15 @@ def _life_base(space: StrategySpace, recompute: Sequence[Recompute], order) -> _
     return made[1]
 
 
-def output_redistributions(lv: Liveness, out_ps: OutPlacement) -> list[tuple]:
-    """``(node, output, placement, category)`` of each graph output that leaves the step
-    with another placement than it is made with (``bytes(out)``)."""
+def output_redistributions(
+    lv: Liveness, out_ps: OutPlacement, sinks: Iterable[Sink] | None = None
+) -> list[tuple]:
+    """``(node, output, placement, category)`` of each graph output (of ``sinks``, where
+    given) that leaves the step with another placement than it is made with
+    (``bytes(out)``)."""
     space = lv.space
     found = []
-    for sink in space.sinks:
+    for sink in space.sinks if sinks is None else sinks:
         if sink.position in lv.early:  # (its bucket: ``measure``)
             continue
         p = out_ps(sink.src, sink.src_out)
@@ -584,8 +587,8 @@ def peak_bound(
 ) -> int:
     """At least ``measure``'s peak under the placements ``after``, from its peak under
     ``before`` (``peak_bytes``; the same ``lv``, ``optimizer`` and ``recompute``) where only
-    the nodes ``changed`` place their outputs or inputs otherwise; linear in the storages
-    and inputs they touch (and the graph outputs, summed whole), not in the step's points.
+    the nodes ``changed`` place their outputs or inputs otherwise; linear in the storages,
+    inputs and graph outputs they touch, not in the step's points.
 
     Every storage, reshard and graph output's redistribution lives over the same points
     under both, so at any point the total changes by the sum of their changes there, and
@@ -627,13 +630,18 @@ def peak_bound(
             continue
         grow += max(0, resharded(e, *after) - resharded(e, *before))
 
+    # the graph outputs whose node or parameter changed (the others' bytes are the same
+    # under both), all at the step's return
+    moved = set(changed)
+    sinks = [s for s in space.sinks if s.src in moved or s.like in moved]
+
     def outputs(out_ps: OutPlacement) -> int:
         return sum(
             local_bytes(*space.tensor(src, so), target, mesh_shape)
-            for src, so, target, _ in output_redistributions(lv, out_ps)
+            for src, so, target, _ in output_redistributions(lv, out_ps, sinks)
         )
 
-    grow += max(0, outputs(after[0]) - outputs(before[0]))  # (all at the step's return)
+    grow += max(0, outputs(after[0]) - outputs(before[0]))
     return peak_bytes + grow
 
 

@@ -770,6 +770,7 @@ class IlpBuilder:
         # fold group -> (r, t, its recompute time: node part, edge part) ("Checkpointing")
         self.remat: dict[str, tuple[Any, Any, dict, dict]] = {}
         self._active: dict | None = None
+        self.var_index: dict = {}  # variable -> its index in the model, where read
         # a solution kept by ``hold`` (variable index -> value; objective, best bound),
         # read in place of the solver's until the next solve
         self.held: tuple[list[float], float, float] | None = None
@@ -1209,9 +1210,10 @@ class IlpBuilder:
 
     def _placements(self, choice: Mapping[str, int]) -> tuple[Callable, Callable]:
         """The placements of the plan ``choice`` as passes/memory reads them."""
-        strats = self.space.strategies
-        pick = {n: strats[n][k] for n, k in choice.items()}
-        return (lambda n, o: pick[n].out[o]), (lambda n, j: pick[n].ins[j])
+        strats = self.space.strategies  # (read where asked: a bound reads few nodes)
+        return (lambda n, o: strats[n][choice[n]].out[o]), (
+            lambda n, j: strats[n][choice[n]].ins[j]
+        )
 
     def objective(self, coef: dict | None = None) -> None:
         """min sum of the coefficients gathered (``coef``: use these instead), the hiding
@@ -1554,7 +1556,9 @@ class _SolveBeside:
     the caller's own work: a copy of the model, which a second core solves while the first
     solves or simulates another round ("Overlap"). ``result`` waits for it and gives
     ``(status, held)``, ``held`` as ``IlpBuilder.hold`` gives it (None where unsolved). A
-    copy no round reads is left to finish on its own (a daemon thread, printing nothing)."""
+    copy no round reads is left to finish on its own (a daemon thread, printing nothing).
+    The caller's thread only copies the model and sets the objective; the thread solves the
+    relaxation, and loads and solves the ILP itself only where that is not integral."""
 
     def __init__(
         self,
@@ -1565,18 +1569,20 @@ class _SolveBeside:
     ):
         model = linear_solver_pb2.MPModelProto()
         ilp.lp.ExportModelToProto(model)
-        for var in model.variable:
-            var.objective_coefficient = 0.0
-        for v, c in ilp.objective_terms(hide_scale).items():
-            model.variable[v.index()].objective_coefficient = c
+        terms = ilp.objective_terms(hide_scale)
+        variables = model.variable
+        if ilp._active is not ilp.coef:  # (else the model's coefficients are these terms')
+            for var in variables:
+                var.objective_coefficient = 0.0
+        index = ilp.var_index
+        for v, c in terms.items():
+            i = index.get(v)
+            if i is None:
+                i = index[v] = v.index()
+            variables[i].objective_coefficient = c
         model.maximize = False
         self.solver, self._model = ilp.solver, model
-        self.lp = pywraplp.Solver.CreateSolver(ilp.solver)
-        error = self.lp.LoadModelFromProto(model)
-        if error:
-            raise RuntimeError(f"the ILP's copy did not load: {error}")
-        self.lp.SuppressOutput()
-        self._params = _parameters(self.lp, ilp.solver, mip_gap, quiet=True)
+        self._mip_gap = mip_gap
         self._out: tuple[int, tuple[list[float], float, float] | None] | None = None
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._solve, args=(time_limit_s,), daemon=True)
@@ -1589,12 +1595,19 @@ class _SolveBeside:
             if relaxed is not None:
                 self._out = (pywraplp.Solver.OPTIMAL, relaxed)
                 return
-            self.lp.SetTimeLimit(_left_ms(time_limit_s, t0))
-            status = self.lp.Solve(self._params)
+            # (the ILP itself, loaded only where its relaxation is not integral)
+            lp = pywraplp.Solver.CreateSolver(self.solver)
+            error = lp.LoadModelFromProto(self._model)
+            if error:
+                raise RuntimeError(f"the ILP's copy did not load: {error}")
+            lp.SuppressOutput()
+            params = _parameters(lp, self.solver, self._mip_gap, quiet=True)
+            lp.SetTimeLimit(_left_ms(time_limit_s, t0))
+            status = lp.Solve(params)
             held = None
             if _solved(status):
-                obj = self.lp.Objective()
-                values = [v.solution_value() for v in self.lp.variables()]
+                obj = lp.Objective()
+                values = [v.solution_value() for v in lp.variables()]
                 held = (values, obj.Value(), obj.BestBound())
             self._out = (status, held)
         except BaseException as e:  # raised again by result, on the caller's thread

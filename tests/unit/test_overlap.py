@@ -257,12 +257,16 @@ def test_which_reductions_over_several_axes_a_bucket_runs():
     assert chain([(rs, "dp"), (ar, "dp")], {"dp": None}) is None
 
 
-def test_rounds_solved_beside_give_the_plan_solved_in_place(monkeypatch):
+@pytest.mark.parametrize("integral", [True, False])
+def test_rounds_solved_beside_give_the_plan_solved_in_place(monkeypatch, integral):
     """The overlap rounds whose shares are known are solved on a copy of the ILP beside the
     round before (passes/solve, ``_SolveBeside``): the rounds and the plan are those of
-    every round solved in place."""
+    every round solved in place; so too where no relaxation is integral, and the copy
+    loads and solves the ILP itself, on its thread."""
     import autopar.passes.solve as solve_pass
 
+    if not integral:
+        monkeypatch.setattr(solve_pass, "_relaxed", lambda *a: None)
     mesh, model, tokens, kw = _middle_on_four_nodes()
     kw["constraints"] = {"input:0": "S(0)"}
     taken = []
