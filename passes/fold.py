@@ -211,6 +211,46 @@ def _target_text(target) -> str:
     return str(target)
 
 
+_Node = torch.fx.Node
+
+
+def _form_of(a, local: dict, ext: dict):
+    """An argument's form in ``_canonical``: an input from inside the region its position
+    there (``local``), one from outside its shape (made once per node, ``ext``), a literal
+    its text."""
+    kind = type(a)
+    if kind is _Node or isinstance(a, _Node):
+        at = local.get(a)
+        if at is not None:
+            return at
+        made = ext.get(a)
+        if made is None:
+            made = ext[a] = ("ext", _shape_key(a.meta.get("val")))
+        return made
+    if kind is tuple or kind is list or isinstance(a, (list, tuple)):
+        return (kind.__name__, *[_form_of(b, local, ext) for b in a])
+    if isinstance(a, dict):
+        return ("dict",) + tuple((k, _form_of(v, local, ext)) for k, v in a.items())
+    return repr(a)  # (a str: never equal to an input's position)
+
+
+def _args_of(args: tuple, local: dict, ext: dict) -> tuple:
+    """``_form_of(args)`` less its tag, the common kinds inline."""
+    out = []
+    for a in args:
+        kind = type(a)
+        if kind is _Node:
+            at = local.get(a)
+            out.append(_form_of(a, local, ext) if at is None else at)
+        elif kind is int or kind is float or kind is bool or a is None:
+            out.append(repr(a))
+        elif kind is list and all(type(x) is int for x in a):
+            out.append(("ints", *a))  # (a shape, a dim list: not a list of inputs)
+        else:
+            out.append(_form_of(a, local, ext))
+    return tuple(out)
+
+
 def _canonical(
     members: list[torch.fx.Node],
     out_kind: dict[str, list],
@@ -221,43 +261,11 @@ def _canonical(
 
     Nodes in ``attached`` (joined by their neighbours, not by a module path) are marked. A
     node's input from inside the region is its position there (an int), one from outside
-    its shape (``outside``: those made, by node, shared by the regions' calls)."""
+    its shape (``outside``: those made, by node, shared by the regions' calls). (No
+    closures: a recursive one is a reference cycle per region.)"""
     local = {n: i for i, n in enumerate(members)}
     named: dict[str, int] = {}  # (by name: the parameters the gradients are like)
-    Node = torch.fx.Node
     ext = {} if outside is None else outside
-
-    def form_of(a):
-        kind = type(a)
-        if kind is Node or isinstance(a, Node):
-            at = local.get(a)
-            if at is not None:
-                return at
-            made = ext.get(a)
-            if made is None:
-                made = ext[a] = ("ext", _shape_key(a.meta.get("val")))
-            return made
-        if kind is tuple or kind is list or isinstance(a, (list, tuple)):
-            return (kind.__name__, *map(form_of, a))
-        if isinstance(a, dict):
-            return ("dict",) + tuple((k, form_of(v)) for k, v in a.items())
-        return repr(a)  # (a str: never equal to an input's position)
-
-    def args_of(args: tuple) -> tuple:  # form_of(args) less its tag: the common kinds inline
-        out = []
-        for a in args:
-            kind = type(a)
-            if kind is Node:
-                at = local.get(a)
-                out.append(form_of(a) if at is None else at)
-            elif kind is int or kind is float or kind is bool or a is None:
-                out.append(repr(a))
-            elif kind is list and all(type(x) is int for x in a):
-                out.append(("ints", *a))  # (a shape, a dim list: not a list of inputs)
-            else:
-                out.append(form_of(a))
-        return tuple(out)
-
     form = []
     for n in members:
         args: tuple
@@ -267,7 +275,8 @@ def _canonical(
             args = ()
         else:
             head = (_target_text(n.target), meta.get(roles.META_ROLE, ""))
-            args = (args_of(n.args), form_of(n.kwargs) if n.kwargs else ())
+            kwargs = _form_of(n.kwargs, local, ext) if n.kwargs else ()
+            args = (_args_of(n.args, local, ext), kwargs)
         kinds = out_kind.get(n.name)
         outs: tuple = ()
         if kinds:
@@ -342,14 +351,15 @@ def fold_regions(step: StepGraph) -> FoldedGraph:
     core: dict[str, list[torch.fx.Node]] = {}
     full: dict[str, tuple] = {}
     core_of: dict[tuple, tuple] = {}  # a whole form -> its core's
+    outside: dict[torch.fx.Node, tuple] = {}  # (an input from outside: its form, by node)
     for r, ms in members.items():
         core[r] = [n for n in ms if n.name not in free]
-        full[r] = _canonical(ms, out_kind, attached=free)
+        full[r] = _canonical(ms, out_kind, attached=free, outside=outside)
         # the whole form, its attached nodes marked, says which are the core's and what
         # each reads: equal whole forms, equal cores (one made per whole form)
         form = core_of.get(full[r])
         if form is None:
-            form = core_of[full[r]] = _canonical(core[r], out_kind)
+            form = core_of[full[r]] = _canonical(core[r], out_kind, outside=outside)
         by_core[form].append(r)
 
     rep = {n.name: n.name for n in nodes}

@@ -561,21 +561,23 @@ def build_strategies(
 
 
 def _input_nodes(args) -> list[torch.fx.Node]:
-    """The fx nodes in ``args``, in ``tree_flatten`` order (a fast path for large graphs)."""
+    """The fx nodes in ``args``, in ``tree_flatten`` order (a fast path for large graphs;
+    no closure: a recursive one is a reference cycle per call, garbage for the collector
+    on every node of a deep step)."""
     out: list[torch.fx.Node] = []
-
-    def visit(a):
-        if isinstance(a, torch.fx.Node):
-            out.append(a)
-        elif isinstance(a, (list, tuple)):
-            for b in a:
-                visit(b)
-        elif isinstance(a, dict):
-            for b in a.values():
-                visit(b)
-
-    visit(args)
+    _visit_nodes(args, out)
     return out
+
+
+def _visit_nodes(a, out: list[torch.fx.Node]) -> None:
+    if isinstance(a, torch.fx.Node):
+        out.append(a)
+    elif isinstance(a, (list, tuple)):
+        for b in a:
+            _visit_nodes(b, out)
+    elif isinstance(a, dict):
+        for b in a.values():
+            _visit_nodes(b, out)
 
 
 _aten = torch.ops.aten

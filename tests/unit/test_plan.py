@@ -357,6 +357,41 @@ def test_what_planning_made_is_freed_without_the_garbage_collector(monkeypatch):
     assert plan.memory["step"]["peak_bytes"] > 0
 
 
+def test_the_garbage_a_search_leaves_does_not_grow_with_depth(monkeypatch):
+    """What the search leaves in reference cycles, the collection that ends it
+    (``_gc_paused``) walks and frees: a cycle made per node (a recursive closure, say) is
+    garbage that grows with the step (at 96 layers, ~16,000 closures and ~0.08 s of the
+    collection). Searched again on the same step (DTensor's rules then cached), a GPT of
+    six layers leaves as little as one of two."""
+    import contextlib
+    import gc
+
+    import autopar.api as api
+    from autopar.api import plan_step
+    from autopar.passes.trace import trace_step
+
+    found: list[int] = []
+    collect = gc.collect
+    monkeypatch.setattr(api.gc, "collect", lambda *a: found.append(collect(*a)) or found[-1])
+    mesh = Mesh((2, 2), ("dp", "tp"), device="h100")
+    left = {}
+    for layers in (2, 6):
+        cfg = GPTConfig(layers=layers, hidden=32, heads=2, ffn=64, vocab=64, seq=8)
+        with torch.device("meta"):
+            model = GPT(cfg)
+        tokens = torch.zeros(4, cfg.seq, dtype=torch.long, device="meta")
+        with contextlib.ExitStack() as stack, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            step = trace_step(model, (tokens,), loss_fn=cross_entropy_loss,
+                              example_targets=(tokens,), stack=stack)  # fmt: skip
+            plan_step(step, mesh)
+            found.clear()
+            plan_step(step, mesh)
+        assert found, "the search ended without its collection"
+        left[layers] = found[-1]
+    assert left[6] - left[2] < 50, left
+
+
 def test_a_plan_made_on_another_solutions_plan_is_the_plan_made_afresh():
     """``Plan.from_solution``'s ``base`` (an earlier overlap round's solution and plan):
     the node choices the two share are taken from it, the others made; the plan is the one
