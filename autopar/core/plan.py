@@ -193,26 +193,29 @@ def _nodes_and_collectives(
             or cost[n] != was_cost.get(n)
             or host_s.get(n, 0.0) != was_host.get(n, 0.0)
         ]
+    # (each read once into a local: ~18,000 nodes in the first round's plan)
+    strategies, chosen, targets = space.strategies, solution.choice, space.targets
+    modules, node_roles, node_cost_s = space.modules, space.roles, solution.node_cost_s
     for name in names:
-        s = solution.chosen(space, name)
+        s = strategies[name][chosen[name]]  # (solution.chosen)
         made = texts.get(id(s))
         if made is None:
             made = texts[id(s)] = (
                 tuple(text(o) for o in s.out),
                 tuple(text(i) for i in s.ins),
             )
-        target = space.targets[name]
+        target = targets[name]
         op = ops.get(target)
         if op is None:
             op = ops[target] = op_name(target)
         # (by position: ~18,000 per plan, each made again by every overlap round's)
         nodes[name] = NodeChoice(
             op,
-            space.modules[name],
-            space.roles[name],
+            modules[name],
+            node_roles[name],
             made[0],
             made[1],
-            solution.node_cost_s[name],
+            node_cost_s[name],
             host_s.get(name, 0.0),
         )
     collectives = []
