@@ -131,7 +131,7 @@ def _order_of(space: StrategySpace, names: Sequence[str]) -> _Order:
     backward = [space.roles[n] == roles.BACKWARD for n in names]
     made = _Order(
         names,
-        {n: i for i, n in enumerate(names)},
+        space.position if traced else {n: i for i, n in enumerate(names)},
         backward,
         backward.index(True) if any(backward) else len(names),
         next(i for i, n in enumerate(names) if space.targets[n] != "placeholder"),

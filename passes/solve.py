@@ -1226,6 +1226,26 @@ class IlpBuilder:
             obj.SetCoefficient(v, c)
         obj.SetMinimization()
 
+    def model_at(
+        self, hide_scale: Mapping[tuple[str, int], float]
+    ) -> linear_solver_pb2.MPModelProto:
+        """A copy of the model as it stands, minimizing the objective with the hiding terms
+        at ``hide_scale`` (``objective_terms``), its variables set by index (read once)."""
+        model = linear_solver_pb2.MPModelProto()
+        self.lp.ExportModelToProto(model)
+        variables = model.variable
+        if self._active is not self.coef:  # (else the model's coefficients are the terms')
+            for var in variables:
+                var.objective_coefficient = 0.0
+        index = self.var_index
+        for v, c in self.objective_terms(hide_scale).items():
+            i = index.get(v)
+            if i is None:
+                i = index[v] = v.index()
+            variables[i].objective_coefficient = c
+        model.maximize = False
+        return model
+
     def objective_terms(self, hide_scale: Mapping[tuple[str, int], float]) -> dict:
         """The objective's coefficient of each variable, the hiding terms at ``hide_scale``."""
         terms: dict = defaultdict(float, self.coef)
@@ -1567,21 +1587,7 @@ class _SolveBeside:
         time_limit_s: float,
         mip_gap: float,
     ):
-        model = linear_solver_pb2.MPModelProto()
-        ilp.lp.ExportModelToProto(model)
-        terms = ilp.objective_terms(hide_scale)
-        variables = model.variable
-        if ilp._active is not ilp.coef:  # (else the model's coefficients are these terms')
-            for var in variables:
-                var.objective_coefficient = 0.0
-        index = ilp.var_index
-        for v, c in terms.items():
-            i = index.get(v)
-            if i is None:
-                i = index[v] = v.index()
-            variables[i].objective_coefficient = c
-        model.maximize = False
-        self.solver, self._model = ilp.solver, model
+        self.solver, self._model = ilp.solver, ilp.model_at(hide_scale)
         self._mip_gap = mip_gap
         self._out: tuple[int, tuple[list[float], float, float] | None] | None = None
         self._error: BaseException | None = None
