@@ -296,6 +296,7 @@ def _propose(step: StepGraph):
     pi = bi = 0
     param_node: dict[str, str] = {}
     buffer_node: dict[str, str] = {}
+    of_path: dict[str, str] = {}  # (a layer's nodes share a few module paths)
     for n in nodes:
         role = n.meta.get(roles.META_ROLE, "")
         if n.op == "placeholder":
@@ -311,7 +312,10 @@ def _propose(step: StepGraph):
                 region[n.name] = ""
             continue
         path = n.meta.get(roles.META_MODULE, "")
-        region[n.name] = region_of_path(path)
+        r = of_path.get(path)
+        if r is None:
+            r = of_path[path] = region_of_path(path)
+        region[n.name] = r
         if not path:
             free.add(n.name)
     _attach_unattributed(nodes, region, free)

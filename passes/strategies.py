@@ -73,6 +73,7 @@ from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, Tu
 from torch.distributed.tensor._ops import single_dim_strategy as sds
 from torch.distributed.tensor._sharding_prop import _expand_single_dim_strategy_to_mesh
 from torch.distributed.tensor.placement_types import Placement
+from torch.fx.node import map_arg
 from torch.utils._pytree import tree_flatten, tree_map
 
 from autopar.core import (
@@ -397,7 +398,7 @@ class _SpaceBuilder:
         if key == name:
             in_nodes = self._call_template(node)
         else:  # an instance: the solver prices its representative's call only
-            in_nodes = _input_nodes((node.args, node.kwargs))
+            in_nodes = _input_nodes(node)
         if node.target is operator.getitem:
             self.getitem(node, key)
             return
@@ -560,24 +561,15 @@ def build_strategies(
     return sp
 
 
-def _input_nodes(args) -> list[torch.fx.Node]:
-    """The fx nodes in ``args``, in ``tree_flatten`` order (a fast path for large graphs;
-    no closure: a recursive one is a reference cycle per call, garbage for the collector
-    on every node of a deep step)."""
+def _input_nodes(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The fx nodes ``node`` reads, in ``tree_flatten`` order and with repeats, as
+    ``_call_template`` numbers them (``map_arg`` walks the arguments in C: a deep step's
+    instances are most of its nodes)."""
     out: list[torch.fx.Node] = []
-    _visit_nodes(args, out)
+    map_arg(node.args, out.append)
+    if node.kwargs:
+        map_arg(node.kwargs, out.append)
     return out
-
-
-def _visit_nodes(a, out: list[torch.fx.Node]) -> None:
-    if isinstance(a, torch.fx.Node):
-        out.append(a)
-    elif isinstance(a, (list, tuple)):
-        for b in a:
-            _visit_nodes(b, out)
-    elif isinstance(a, dict):
-        for b in a.values():
-            _visit_nodes(b, out)
 
 
 _aten = torch.ops.aten

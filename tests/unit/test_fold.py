@@ -135,6 +135,36 @@ def test_gpt_layers_fold_into_one_group_forward_and_backward():
     assert "folded 4 x" in folded.report() and "blocks.{0..3}" in folded.report()
 
 
+class _Squares(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h * h + x  # (mul reads h twice)
+
+
+def test_a_folded_instance_reads_its_inputs_as_its_own_call_numbers_them():
+    # an instance's inputs are read without recording its call (passes/strategies): its
+    # edges must be those of the unfolded space, each tensor input at its own position,
+    # a repeated one (h * h) once per position
+    model = nn.Sequential(*[_Squares(16) for _ in range(3)])
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    mesh = autopar.Mesh((2,), ("dp",))
+    with contextlib.ExitStack() as stack:
+        step = _trace(model, (x,), mse_loss, (y,), stack)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            folded = build_strategies(step, mesh, folded=fold_regions(step))
+            plain = build_strategies(step, mesh)
+    assert folded.rep, "nothing folded"
+    assert folded.edges == plain.edges
+    nodes = {n.name: n for n in step.gm.graph.nodes}
+    repeated = [n for n in folded.rep if len(nodes[n].all_input_nodes) < len(plain.in_sources[n])]
+    assert repeated, "no folded instance reads one input twice"
+
+
 def test_layers_of_different_widths_never_fold():
     model = MLP(d_in=16, d_hidden=64, n_layers=3)  # layers.0 is 16 -> 64, the rest 64 -> 64
     with contextlib.ExitStack() as stack:
