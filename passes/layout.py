@@ -56,9 +56,15 @@ def arena(blocks: Sequence[tuple[int, int, int]]) -> tuple[list[int], int]:
                 free.insert(i, (start, size))
         for k in sorted(born.get(t, ()), key=lambda k: (-blocks[k][2], k)):
             size = blocks[k][2]
-            fits = [(s, i) for i, (_, s) in enumerate(free) if s >= size]
-            if fits:
-                s, i = min(fits)
+            # best fit: the smallest range that holds it, the lowest of equal ones (an
+            # exact fit ends the search)
+            i, s = -1, 0
+            for at, (_, room) in enumerate(free):
+                if room >= size and (i < 0 or room < s):
+                    i, s = at, room
+                    if room == size:
+                        break
+            if i >= 0:
                 start = free[i][0]
                 if s == size:
                     del free[i]

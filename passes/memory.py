@@ -235,13 +235,7 @@ class Liveness:
         that runs an operator (``reshard_inputs``; ``group``: ``unit_at[i]``), in point
         order: made once, read by ``measure`` at each plan it sizes (an overlap round's)."""
         if self._inputs is None:
-            space, unit_at = self.space, self.unit_at
-            self._inputs = [
-                (i, name, j, src, so, unit_at[i] if i < len(unit_at) else None)
-                for i, name in enumerate(self.node_at)
-                if space.targets[name] != "placeholder"
-                for j, (src, so) in enumerate(space.in_sources[name])
-            ]
+            self._inputs = _tensor_inputs(self.space, self.node_at, self.unit_at)
         return self._inputs
 
     def touching(
@@ -391,7 +385,7 @@ def liveness(
             storages.extend(base.storages_of(space, key, outs[key]))
         else:
             storages.extend(base.kept(space, key))
-    return Liveness(
+    lv = Liveness(
         order=points,
         storages=storages,
         params=base.params,
@@ -403,6 +397,21 @@ def liveness(
         held={pos: point_of.get(node, end) for pos, node in held.items()},
         prefetched={e: point_of[node] for e, node in prefetched.items() if node in point_of},
     )
+    lv._inputs = base.tensor_inputs(space)  # (the order's: the same under any buckets)
+    return lv
+
+
+def _tensor_inputs(
+    space: StrategySpace, node_at: list[str], unit_at: list[str | None]
+) -> list[tuple[int, str, int, str, int, str | None]]:
+    """``Liveness.tensor_inputs`` of the points ``node_at`` (their groups ``unit_at``)."""
+    targets, in_sources = space.targets, space.in_sources
+    return [
+        (i, name, j, src, so, unit_at[i] if i < len(unit_at) else None)
+        for i, name in enumerate(node_at)
+        if targets[name] != "placeholder"
+        for j, (src, so) in enumerate(in_sources[name])
+    ]
 
 
 class _LifeBase:
@@ -496,6 +505,16 @@ class _LifeBase:
         self.life, self.cond_last, self.params, self.groups = life, cond_last, params, dict(groups)
         self.moved = moved
         self._kept: dict[tuple[str, int], list[Storage]] = {}
+        self._inputs: list[tuple[int, str, int, str, int, str | None]] | None = None
+
+    def tensor_inputs(
+        self, space: StrategySpace
+    ) -> list[tuple[int, str, int, str, int, str | None]]:
+        """``Liveness.tensor_inputs`` of these points (made once: the solver's step and the
+        memory stage's, buckets and prefetches aside, run the same points)."""
+        if self._inputs is None:
+            self._inputs = _tensor_inputs(space, self.node_at, self.unit_at)
+        return self._inputs
 
     def kept(self, space: StrategySpace, key: tuple[str, int]) -> list[Storage]:
         """The storages of ``key``, which no graph output reads (made once)."""
@@ -763,25 +782,39 @@ def measure(
 
 def plan_placements(plan: Plan) -> tuple[OutPlacement, InPlacement]:
     """``plan``'s placements as ``measure`` reads them: of each node's outputs, and of the
-    inputs each node runs with (their texts parsed once)."""
-    cache: dict = {}
-
-    def parsed(text):
-        if text not in cache:
-            cache[text] = parse_placements(text)
-        return cache[text]
+    inputs each node runs with (their texts parsed once: one tuple per text, so that equal
+    placements are one object). Inline, not through a helper: ``measure`` and passes/order
+    ask ~130,000 times of a deep step."""
+    cache: dict[tuple[str, ...], tuple] = {}
+    nodes = plan.nodes
 
     def out_ps(name: str, idx: int):
-        choice = plan.nodes.get(name)
-        if choice is None or idx >= len(choice.out) or choice.out[idx] is None:
+        choice = nodes.get(name)
+        if choice is None:
             return None
-        return parsed(choice.out[idx])
+        outs = choice.out
+        if idx >= len(outs):
+            return None
+        text = outs[idx]
+        if text is None:
+            return None
+        ps = cache.get(text)
+        if ps is None:
+            ps = cache[text] = parse_placements(text)
+        return ps
 
     def in_ps(name: str, j: int):
-        choice = plan.nodes.get(name)
-        if choice is None or j >= len(choice.ins):
+        choice = nodes.get(name)
+        if choice is None:
             return None
-        return parsed(choice.ins[j])
+        ins = choice.ins
+        if j >= len(ins):
+            return None
+        text = ins[j]
+        ps = cache.get(text)
+        if ps is None:
+            ps = cache[text] = parse_placements(text)
+        return ps
 
     return out_ps, in_ps
 

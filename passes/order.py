@@ -83,6 +83,7 @@ from __future__ import annotations
 import copy
 import functools
 import heapq
+import math
 import warnings
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
@@ -174,8 +175,12 @@ def prepare(space: StrategySpace, gm: torch.fx.GraphModule) -> None:
     """Make what ``order_step`` and ``ready_nodes`` read of the step whatever the plan (the
     step's storage graph, the model's state and what reads it alone), ahead of the first
     plan (passes/solve reads the solver's first solution meanwhile)."""
-    _Graph.of(space, gm)
+    g = _Graph.of(space, gm)
     ready_nodes(space)
+    # the units of a plan that redistributes into no node making no bytes (the neutral
+    # nodes are then the same under every such plan: ``_Problem.searchable``), which the
+    # zoo's first plans are: a plan that does is given its own
+    _units_of(space, g, g.quiet, _mask(g.quiet)).segments(space, g.names)
 
 
 def _ready(space: StrategySpace) -> frozenset[str]:
@@ -263,6 +268,12 @@ class _Graph:
         self.touch = [list(dict.fromkeys(self.reads[i] + self.makes[i])) for i in range(n)]
         self.tangent_reads = [[k for k in self.reads[i] if k in self.tangents] for i in range(n)]
         self.outside = {key for key in self.pinned if key[0] not in pos}  # (held from the start)
+        # the nodes neutral under a plan that redistributes into none of them: they make
+        # no byte under any placements (a view's storage is its base's; an empty tensor)
+        counted = {key: c and math.prod(shape) > 0 for key, shape, _, c in self.storages}
+        self.quiet = [
+            not self.mutates[i] and not any(counted[k] for k in self.makes[i]) for i in range(n)
+        ]
         # the traced order runs the whole forward first, then the backward: its prefix of
         # ``forward`` nodes is the set every order runs before the backward ("Bound")
         self.forward = self.backward.index(True) if True in self.backward else n
@@ -332,11 +343,7 @@ class _Problem:
         self.neutral = [
             self.new[i] == 0 and self.transient[i] == 0 and not g.mutates[i] for i in range(n)
         ]
-        searched = 0
-        for i in range(n):
-            if not self.neutral[i]:
-                searched |= 1 << i
-        self.searched_mask = searched
+        self.searched_mask = _mask(self.neutral)
         neutral = self.neutral
         self.readers_searched = {}
         for key, rs in g.readers.items():
@@ -408,6 +415,12 @@ class _Problem:
         return peak, done, live
 
 
+def _mask(neutral: list[bool]) -> int:
+    """The nodes not ``neutral``, bit i for node i (made at once: one shift at a time
+    copies the growing integer, quadratic in a deep step's nodes)."""
+    return int("".join("0" if x else "1" for x in reversed(neutral)) or "0", 2)
+
+
 @dataclass
 class _Units:
     """The search's units (module docstring): ``heads`` in traced order, each with the
@@ -424,25 +437,47 @@ class _Units:
     """A neutral backward node that no node of the backward reads (a gradient's view, read
     by the step's return) -> the nearest searched nodes it reads through neutral ones: it
     runs right after the last of them to run, as soon as it can."""
+    _segments: list[list[int]] | None = field(default=None, init=False, repr=False, compare=False)
+
+    def segments(self, space: StrategySpace, names: list[str]) -> list[list[int]]:
+        """The heads split at their key points (``_segments``), the forward's before the
+        backward's, as aot_autograd's partition runs them (made once: the units are kept
+        for the plans that share them, ``_units``)."""
+        if self._segments is None:
+            found: list[list[int]] = []
+            for part in (roles.FORWARD, roles.BACKWARD):
+                mine = [h for h in self.heads if space.roles[names[h]] == part]
+                found += _segments(mine, self.preds)
+            if sum(map(len, found)) != len(self.heads):
+                raise AssertionError("order: a node neither forward nor backward")
+            self._segments = found
+        return [list(seg) for seg in self._segments]
 
 
 def _units(p: _Problem) -> _Units:
     """The units of ``p`` (module docstring). They depend on the plan only through which
     nodes are neutral: the last plan's are kept (``StrategySpace.derived``), for the next
     plan of the step with the same neutral nodes (an overlap round's), and read only."""
-    made = p.space.derived.get("order_units")
-    if made is not None and made[0] is p.graph and made[1] == p.searched_mask:
+    return _units_of(p.space, p.graph, p.neutral, p.searched_mask)
+
+
+def _units_of(space: StrategySpace, g: _Graph, neutral: list[bool], mask: int) -> _Units:
+    """``_units`` of the step ``g`` whose neutral nodes are ``neutral`` (``mask``: the others,
+    a bit each), the last made where it is of the same (``StrategySpace.derived``)."""
+    made = space.derived.get("order_units")
+    if made is not None and made[0] is g and made[1] == mask:
         return made[2]
-    units = _make_units(p)
-    p.space.derived["order_units"] = (p.graph, p.searched_mask, units)
+    units = _make_units(g, neutral)
+    space.derived["order_units"] = (g, mask, units)
     return units
 
 
-def _make_units(p: _Problem) -> _Units:
-    n = len(p.names)
+def _make_units(g: _Graph, neutral: list[bool]) -> _Units:
+    """The units of the step ``g`` whose neutral nodes are ``neutral`` (``_units``)."""
+    n = len(g.names)
     users: list[list[int]] = [[] for _ in range(n)]
     for i in range(n):
-        for a in p.preds[i]:
+        for a in g.preds[i]:
             users[a].append(i)
     # nodes that read only what lives through the whole step (a parameter's
     # mixed-precision cast, a product of a weight and the input): running one frees
@@ -450,10 +485,10 @@ def _make_units(p: _Problem) -> _Units:
     source = [False] * n
     for i in range(n):
         source[i] = (
-            not p.neutral[i]
-            and not p.graph.mutates[i]
-            and all(k in p.pinned for k in p.reads[i])
-            and all(p.neutral[a] or source[a] for a in p.preds[i])
+            not neutral[i]
+            and not g.mutates[i]
+            and all(k in g.pinned for k in g.reads[i])
+            and all(neutral[a] or source[a] for a in g.preds[i])
         )
 
     def first_reader(i: int, passes) -> int | None:
@@ -473,16 +508,16 @@ def _make_units(p: _Problem) -> _Units:
 
     # a node stays in its part: aot_autograd's default partition takes every node up to
     # the last forward one as the forward, by position
-    backward = p.backward
+    backward = g.backward
     head_of = list(range(n))
     for i in range(n):
         if source[i]:
-            c = first_reader(i, lambda u: p.neutral[u])
+            c = first_reader(i, lambda u: neutral[u])
             head_of[i] = i if c is None or backward[c] != backward[i] else c
     hang: dict[int, list[int]] = {}
     for i in range(n):
-        if p.neutral[i]:
-            c = first_reader(i, lambda u: p.neutral[u])
+        if neutral[i]:
+            c = first_reader(i, lambda u: neutral[u])
             if c is None or backward[c] != backward[i]:  # at the end of its part
                 c = END if backward[i] else END_OF_FORWARD
             hang.setdefault(c, []).append(i)
@@ -492,12 +527,12 @@ def _make_units(p: _Problem) -> _Units:
     preds: dict[int, set[int]] = {}
     for i in range(n):
         acc: set[int] = set()
-        for a in p.preds[i]:
-            if p.neutral[a]:
+        for a in g.preds[i]:
+            if neutral[a]:
                 acc |= through[a]
             else:
                 acc.add(a)
-        if p.neutral[i]:
+        if neutral[i]:
             through[i] = acc
             continue
         h = head_of[i]
@@ -639,13 +674,7 @@ def order_step(
         return Ordering(list(space.order), traced_peak, traced_peak, unsearched)
     p.searchable()
     units = _units(p)
-    # the forward runs before the backward, as aot_autograd's partition runs them
-    segments = []
-    for part in (roles.FORWARD, roles.BACKWARD):
-        mine = [h for h in units.heads if p.space.roles[p.names[h]] == part]
-        segments += _segments(mine, units.preds)
-    if sum(map(len, segments)) != len(units.heads):
-        raise AssertionError("order: a node neither forward nor backward")
+    segments = units.segments(p.space, p.names)
     # a segment larger than a window is ordered a window of traced units at a time (each
     # window's nodes are closed under dependencies with everything traced before it)
     # (a segment of one unit is a key point: the set before it is fixed)

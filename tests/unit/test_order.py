@@ -153,6 +153,48 @@ def test_what_the_order_derives_from_the_graph_is_made_once_per_space_and_graph(
     assert space.derived["order_graph"][0] is copied
 
 
+def test_the_units_made_ahead_are_the_plans_where_it_reshards_into_no_neutral_node():
+    """``prepare`` makes the units of a plan whose neutral nodes are the nodes that make no
+    bytes (no reshard into one of them), before any plan: such a plan reads them, and
+    orders as on a space that made none ahead; a plan that reshards into such a node makes
+    its own, and orders as well."""
+    two = autopar.Mesh((2,), ("dp",), device="cpu")
+    model, inputs, targets, plan, step = _planned(Branches(), two)
+    ahead = build_strategies(step, two)
+    order.prepare(ahead, step.gm)
+    made = ahead.derived["order_units"][2]
+    graph = ahead.derived["order_graph"][1]
+    got = order.order_step(ahead, step.gm, plan)
+    assert ahead.derived["order_units"][2] is made  # read, not made again
+    fresh = build_strategies(step, two)
+    assert got.order == order.order_step(fresh, step.gm, plan).order
+    p = order._Problem(fresh, step.gm, plan)
+    p.searchable()
+    assert p.neutral == graph.quiet
+    assert made == order._make_units(graph, p.neutral)
+    # a reshard into a view: that node is not neutral, and the plan's units are its own
+    view = next(
+        n
+        for n in graph.names
+        if graph.quiet[graph.names.index(n)]
+        and str(ahead.targets[n]) == "aten.view.default"
+        and plan.nodes[n].ins
+    )
+    was = plan.nodes[view]
+    moved = "S(0)" if was.ins[0] != ("S(0)",) else "R"
+    other = dataclasses.replace(
+        plan,
+        nodes={**plan.nodes, view: dataclasses.replace(was, ins=((moved,), *was.ins[1:]))},
+    )
+    got = order.order_step(ahead, step.gm, other)
+    assert ahead.derived["order_units"][2] is not made
+    again = build_strategies(step, two)
+    assert got.order == order.order_step(again, step.gm, other).order
+    q = order._Problem(again, step.gm, other)
+    q.searchable()
+    assert q.neutral != graph.quiet
+
+
 def test_skipping_the_stage_keeps_the_traced_order():
     *_, plan, _ = _planned(Branches(), ONE, skip={"order"})
     assert plan.order == ()
