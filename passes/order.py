@@ -37,7 +37,10 @@ stays in its part (forward or backward): one whose first reader is in the other 
 that nothing reads, is a unit of its own (a view: runs at the end of its part), but for a
 backward node read only by the step's return (a gradient's view): it runs right after the
 last node it reads through neutral ones, so that the gradient's bucket (passes/buckets),
-issued after it, goes as early as it can.
+issued after it, goes as early as it can. Which nodes are neutral depends on the plan only
+through the reshards into the nodes that make no bytes under any placements: the units
+(and their segments, below) of a plan with none are made ahead, while the solver's first
+solve runs (``prepare``), and each plan with other neutral nodes makes its own.
 
 Decomposition (ROAM's key points). The forward runs before the backward (aot_autograd's
 partition runs them so). Within each, a unit that every other unit either precedes or
