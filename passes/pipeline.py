@@ -278,6 +278,7 @@ def _solve(state: dict) -> Solution:
         assess=_emitted(state) if overlaps_collectives(state["mesh"]) else None,
         hides=_hides(options.skip),
         meanwhile=_meanwhile(state),
+        idle=_idle(state),
     )
 
 
@@ -398,10 +399,32 @@ def _emitted(state: dict) -> Callable[[Solution], float]:
             made.report = measured
             plan.memory["step"] = measured.to_dict()
         made.judged, made.length = plan, plan.emitted_step_s()
-        assessed[_solution_key(solution)] = made
+        key = _solution_key(solution)
+        assessed[key] = made
+        shortest = assessed.get(state.get("shortest", ()))
+        if shortest is None or made.length < shortest.length:
+            state["shortest"] = key
         return made.length
 
     return length
+
+
+def _idle(state: dict) -> Callable[[], None]:
+    """What the solver's thread does where it would wait for an overlap round solved beside
+    (passes/solve ``idle``): the step memory of the shortest plan judged so far, as the
+    memory stage measures it (``_memory`` takes it where that plan is kept: the zoo's
+    rounds keep their first plan as a rule), in time that would be spent waiting."""
+
+    def idle() -> None:
+        options = state["options"]
+        made = state.get("assessed", {}).get(state.get("shortest", ()))
+        if made is None or made.report is not None or made.prefetched is None:
+            return
+        if "memory" in options.skip:
+            return
+        made.report = simulate(state["strategies"], made.prefetched, optimizer=options.optimizer)
+
+    return idle
 
 
 def emitted_length(state: dict, plan: Plan) -> float:

@@ -1619,7 +1619,12 @@ class _SolveBeside:
         except BaseException as e:  # raised again by result, on the caller's thread
             self._error = e
 
-    def result(self) -> tuple[int, tuple[list[float], float, float] | None]:
+    def result(
+        self, idle: Callable[[], Any] | None = None
+    ) -> tuple[int, tuple[list[float], float, float] | None]:
+        """``(status, held)``; ``idle`` is run first where the solve has not ended."""
+        if idle is not None and self._thread.is_alive():
+            idle()
         self._thread.join()
         if self._error is not None:
             raise self._error
@@ -1954,6 +1959,7 @@ def solve(
     assess: Callable[[Solution], float] | None = None,
     hides: Collection[str] = HIDES,
     meanwhile: Callable[[], Any] | None = None,
+    idle: Callable[[], Any] | None = None,
 ) -> Solution:
     """Solve the ILP of the module docstring for ``space``.
 
@@ -1979,7 +1985,9 @@ def solve(
     kinds of overlap the emitted step has (``FIRST_SHARE``'s keys: the buckets' kinds,
     where passes/buckets runs, and ``prefetch``, where passes/prefetch does).
     ``meanwhile``: the caller's work that reads no solution (what later stages make of the
-    step alone), done on this thread while the first solve runs on another.
+    step alone), done on this thread while the first solve runs on another. ``idle``: the
+    caller's work done on this thread where it would wait for an overlap round solved
+    beside (passes/pipeline: what the memory stage makes of the shortest plan so far).
     """
     solver = solver or os.environ.get("AUTOPAR_SOLVER", "HIGHS")
     options = dict(merge=merge, reshard_axes=reshard_axes, hides=hides)
@@ -2116,7 +2124,7 @@ def solve(
         where no memory cut binds it, else the round solved here. Its step memory is the
         bound from the last plan measured where that fits the budget (``_PeakBound``:
         then no cut binds), else measured."""
-        status, held = beside.result()
+        status, held = beside.result(idle)
         if held is None:
             return once(ilp)
         ilp.restore(held)

@@ -6,6 +6,7 @@ on gloo. DP plans (``experts.dp``) of a GPT on the meta device, costed by ``eval
 from __future__ import annotations
 
 import dataclasses
+import sys
 import warnings
 
 import pytest
@@ -272,7 +273,9 @@ def test_rounds_solved_beside_give_the_plan_solved_in_place(monkeypatch, integra
     taken = []
     result = solve_pass._SolveBeside.result
     monkeypatch.setattr(
-        solve_pass._SolveBeside, "result", lambda self: taken.append(self) or result(self)
+        solve_pass._SolveBeside,
+        "result",
+        lambda self, idle=None: taken.append(self) or result(self, idle),
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -283,6 +286,49 @@ def test_rounds_solved_beside_give_the_plan_solved_in_place(monkeypatch, integra
     assert beside.stats["overlap_rounds"] == in_place.stats["overlap_rounds"]
     assert beside.collectives == in_place.collectives
     assert beside.cost["total_s"] == in_place.cost["total_s"]
+
+
+def test_the_memory_stage_takes_the_step_memory_measured_while_a_round_was_awaited(
+    monkeypatch,
+):
+    """While the solver waits for a round solved beside, the pipeline measures the step
+    memory of the shortest plan judged so far (``_idle``); the memory stage takes it where
+    that plan is kept (here the second of three rounds, measured while the third was
+    awaited), and the plan is the one planned without rounds beside, its memory too."""
+    import autopar.passes.pipeline as pipeline
+    import autopar.passes.solve as solve_pass
+
+    callers = []
+    simulate = pipeline.simulate
+
+    def counted(space, plan, optimizer="adamw"):
+        callers.append(sys._getframe(1).f_code.co_name)
+        return simulate(space, plan, optimizer=optimizer)
+
+    monkeypatch.setattr(pipeline, "simulate", counted)
+    result = solve_pass._SolveBeside.result
+
+    def awaited(self, idle=None):  # (as if every round were still solving when awaited)
+        if idle is not None:
+            idle()
+        return result(self)
+
+    monkeypatch.setattr(solve_pass._SolveBeside, "result", awaited)
+    mesh, model, tokens, kw = _middle_on_four_nodes()
+    kw["constraints"] = {"input:0": "S(0)"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        idled = autopar.plan(model, mesh, (tokens,), **kw)
+        assert "idle" in callers and "_memory" not in callers, callers
+        rounds = idled.stats["overlap_rounds"]
+        assert min(rounds) == rounds[1] < rounds[0]  # (the second round's plan kept)
+        callers.clear()
+        monkeypatch.setattr(solve_pass, "BESIDE_SOLVERS", ())
+        in_place = autopar.plan(model, mesh, (tokens,), **kw)
+    assert callers == ["_memory"]
+    assert idled.collectives == in_place.collectives and idled.order == in_place.order
+    assert idled.memory["step"] == in_place.memory["step"]
+    assert idled.stats["step_peak_bytes"] == in_place.stats["step_peak_bytes"]
 
 
 def test_an_emitted_step_above_the_budget_the_solver_kept_is_said(monkeypatch):
