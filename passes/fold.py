@@ -351,27 +351,35 @@ def fold_regions(step: StepGraph) -> FoldedGraph:
             members[region[n.name]].append(n)
     # Regions group by the form of their attributed nodes (the core); the operators attached
     # by their neighbours fold too where the whole form matches the representative's.
-    by_core: dict[tuple, list[str]] = defaultdict(list)
+    # (a form is a deep tuple, hashed afresh at every lookup: each is numbered once, and
+    # the regions' forms compared by their numbers)
+    by_core: dict[int, list[str]] = defaultdict(list)
     core: dict[str, list[torch.fx.Node]] = {}
-    full: dict[str, tuple] = {}
-    core_of: dict[tuple, tuple] = {}  # a whole form -> its core's
+    full: dict[str, int] = {}  # a region -> the number of its whole form
+    numbered: dict[tuple, int] = {}  # a whole form -> its number
+    cores: dict[tuple, int] = {}  # a core form -> its number
+    core_of: dict[int, int] = {}  # a whole form's number -> its core's
     outside: dict[torch.fx.Node, tuple] = {}  # (an input from outside: its form, by node)
     for r, ms in members.items():
         core[r] = [n for n in ms if n.name not in free]
-        full[r] = _canonical(ms, out_kind, attached=free, outside=outside)
+        whole = _canonical(ms, out_kind, attached=free, outside=outside)
+        i = full[r] = numbered.setdefault(whole, len(numbered))
         # the whole form, its attached nodes marked, says which are the core's and what
         # each reads: equal whole forms, equal cores (one made per whole form)
-        form = core_of.get(full[r])
-        if form is None:
-            form = core_of[full[r]] = _canonical(core[r], out_kind, outside=outside)
-        by_core[form].append(r)
+        c = core_of.get(i)
+        if c is None:
+            form = _canonical(core[r], out_kind, outside=outside)
+            c = core_of[i] = cores.setdefault(form, len(cores))
+        by_core[c].append(r)
+    core_forms = {c: form for form, c in cores.items()}
 
     rep = {n.name: n.name for n in nodes}
     groups, alone = [], []
-    for form, regions in by_core.items():
+    for c, regions in by_core.items():
         if len(regions) < 2:
             alone.extend(regions)
             continue
+        form = core_forms[c]
         counts = Counter(full[r] for r in regions)
         head = max(regions, key=lambda r: counts[full[r]])  # the first of the most common
         regions = [head] + [r for r in regions if r != head]
