@@ -362,14 +362,15 @@ def fold_regions(step: StepGraph) -> FoldedGraph:
     outside: dict[torch.fx.Node, tuple] = {}  # (an input from outside: its form, by node)
     for r, ms in members.items():
         core[r] = [n for n in ms if n.name not in free]
-        whole = _canonical(ms, out_kind, attached=free, outside=outside)
-        i = full[r] = numbered.setdefault(whole, len(numbered))
+        form = _canonical(ms, out_kind, attached=free, outside=outside)
+        i = full[r] = numbered.setdefault(form, len(numbered))
         # the whole form, its attached nodes marked, says which are the core's and what
         # each reads: equal whole forms, equal cores (one made per whole form)
         c = core_of.get(i)
         if c is None:
-            form = _canonical(core[r], out_kind, outside=outside)
-            c = core_of[i] = cores.setdefault(form, len(cores))
+            c = core_of[i] = cores.setdefault(
+                _canonical(core[r], out_kind, outside=outside), len(cores)
+            )
         by_core[c].append(r)
     core_forms = {c: form for form, c in cores.items()}
 
