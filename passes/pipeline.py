@@ -42,9 +42,10 @@ traced order, is ordered by the order stage: ``_emitted``), and the step's lengt
 round's where the step is the same (``emitted_length``); the order stage takes the traced
 order's peak from the solver's measurement of its plan (``stats["peak_bytes"]``: the same
 step). A round's memory report is the one the buckets' or prefetch's budget check
-measured of the same plan, where one did; else the memory stage measures the kept round's
-plan (a round's step length needs none: core/schedule runs the plan's order with its
-checkpointed layers' copies).
+measured of the same plan, where one did, or the one measured while the solver waited for
+a round solved beside (``_idle``: the shortest plan judged so far, ``state["shortest"]``);
+else the memory stage measures the kept round's plan (a round's step length needs none:
+core/schedule runs the plan's order with its checkpointed layers' copies).
 
 ``run_stages`` runs the stages in order. For each it records the wall time as
 ``stats["<name>_s"]`` and the stage's own statistics, and logs one line (logger
