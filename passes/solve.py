@@ -263,14 +263,14 @@ the round before (``_SolveBeside``), with the same model and objective as in pla
 same plan. The first solve runs on a thread too, while this one makes what the memory
 check and the caller's later stages read of the step whatever the plan (``meanwhile``: the
 liveness the solver measures on, passes/order's storage graph and units; ~0.26 s of a
-96-layer GPT's step, hidden behind a ~0.33 s solve). Where this thread would wait for a round solved
-beside, it does the caller's ``idle`` work instead (passes/pipeline: the step memory of
-the shortest plan so far, which the memory stage takes where that plan is kept). Ties in
-the objective are broken towards the earlier strategy: x[v,k] costs ``TIE_BREAK_US`` * k /
-K_v * n_v microseconds more (K_v strategies; n_v instances, so that the folded and the
-unfolded ILP prefer alike and pick the same plan). 1e-4 us per node stands above HiGHS's
-absolute gap (1e-6) and far below any cost that matters (at most ~2 us over the 18k nodes
-of a 96-layer GPT).
+96-layer GPT's step, hidden behind a ~0.33 s solve). Where this thread would wait for a
+round solved beside, it does the caller's ``idle`` work instead (passes/pipeline: the step
+memory of the shortest plan so far, which the memory stage takes where that plan is kept).
+Ties in the objective are broken towards the earlier strategy: x[v,k] costs
+``TIE_BREAK_US`` * k / K_v * n_v microseconds more (K_v strategies; n_v instances, so that
+the folded and the unfolded ILP prefer alike and pick the same plan). 1e-4 us per node
+stands above HiGHS's absolute gap (1e-6) and far below any cost that matters (at most
+~2 us over the 18k nodes of a 96-layer GPT).
 """
 
 from __future__ import annotations
