@@ -373,21 +373,32 @@ _H100_SOURCE = (
     "BF16/FP16 tensor core 989.5 TF, FP8 1979 TF, HBM3 3.35 TB/s, 80 GB, NVLink4 900 GB/s "
     "total bidirectional per GPU, 8 GPUs per HGX/DGX H100 node; InfiniBand NDR 400 Gb/s, one "
     "ConnectX-7 per GPU (DGX H100 user guide). What runs reaches less, and those numbers are "
-    "published measurements or estimates, each marked at its field: the best cuBLAS BF16 "
-    "GEMMs sustain ~790 TF; the attention curves are `autopar calibrate` measured on an H200 "
+    "published measurements or estimates, each marked at its field: the matmul curves are "
+    "cuBLAS GEMMs measured on an H200 (the same GH100 chip), torch 2.11, 2026-11-28, square "
+    "ones and a transformer's layer shapes, large bf16 GEMMs sustaining 650-685 TF; the "
+    "attention curves are `autopar calibrate` measured on an H200 "
     "(the same GH100 chip, 132 SMs at up to 1980 MHz, with faster memory), torch 2.11, "
     "2026-11-26: flash attention reaches 231 TF forward; "
     "NCCL over NDR reaches 46-48 GB/s of bus bandwidth; the smallest all-reduce over 64 "
     "ranks (8 nodes) takes ~47 us. `autopar calibrate` on the machine measures them."
 )
 
-# estimates of cuBLAS square GEMMs on an H100 SXM (n = 512, 1024, 2048, 4096, 8192: FLOPs
-# 2 n^3), shaped by published benchmarks: small GEMMs are launch- and wave-bound, the top
-# is the ~790 TF the best measured BF16 GEMMs sustain
-_H100_MATMUL_BF16 = ((2.7e8, 80e12), (2.1e9, 300e12), (1.7e10, 580e12), (1.4e11, 720e12),
-                     (1.1e12, 790e12))  # fmt: skip
-# float32 without TF32 (torch's default precision "highest") runs on the CUDA cores
-_H100_MATMUL_F32 = ((2.7e8, 10e12), (2.1e9, 25e12), (1.7e10, 45e12), (1.4e11, 51e12))
+# measured on an H200 (the H100 SXM's GH100 chip, 132 SMs at up to 1980 MHz, the same 700 W:
+# its compute-bound kernels run as an H100 SXM's), torch 2.11 (cuBLAS), 2026-11-28, random
+# data: up to 2.1e9 FLOPs square GEMMs on the device's clock, queued behind long ones
+# (``autopar calibrate``: n = 256, 512, 1024); above, the median rate of the forward, input-
+# and weight-grad GEMMs of Llama-3-8B, GPT-3-like and Llama-3.2-1B layers (2048-16384
+# tokens, TP 1-8) within a quarter decade of FLOPs, each the median of runs of calls over
+# 20 ms (``benchmarks/gemm_fidelity.py``, ``benchmarks/data/gemm-h200.json``). Sustained,
+# the large bf16 GEMMs reach 650-685 TF; the ~790 TF this curve topped at before, a published
+# figure for the best GEMMs, priced them 14-17% short
+_H100_MATMUL_BF16 = ((3.4e7, 13e12), (2.7e8, 81e12), (2.1e9, 364e12), (1e10, 520e12),
+                     (3e10, 630e12), (1e11, 650e12), (1e12, 670e12),
+                     (1e13, 680e12))  # fmt: skip
+# float32 without TF32 (torch's default precision "highest") runs on the CUDA cores; the
+# same measurements
+_H100_MATMUL_F32 = ((3.4e7, 5e12), (2.7e8, 21e12), (2.1e9, 39e12), (1e10, 48e12),
+                    (3e10, 51e12))  # fmt: skip
 # measured: the kernels autopar::sdpa calls on CUDA (core/ops.py), by ``autopar calibrate``
 # on an H200 (the H100 SXM's GH100 chip: 132 SMs at up to 1980 MHz, so its compute-bound
 # kernels run as an H100 SXM's; only its memory is faster), torch 2.11, 2026-11-26: causal,
