@@ -272,7 +272,7 @@ more: the host's speed then sets the step, and it moves from one launch to the n
 
 
 def _gpu_launch(profile_path: str, world: int, case: tuple, seconds: float) -> dict:
-    label, example, size, precision = case
+    _, example, size, precision = case
     return run_local(
         _measure_gpu, world, profile_path, example, size, precision, seconds, backend="nccl"
     )[0]
