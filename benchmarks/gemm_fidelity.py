@@ -246,7 +246,9 @@ def main(argv=None) -> int:
     )
     misses = table(rows, profile)
     if args.check and misses:
-        print(f"\nFAIL: a layer's or head's GEMMs predicted off by more than {TARGET:.0%}: {misses}")
+        print(
+            f"\nFAIL: a layer's or head's GEMMs predicted off by more than {TARGET:.0%}: {misses}"
+        )
         return 1
     return 0
 
