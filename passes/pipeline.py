@@ -453,10 +453,14 @@ def assemble(state: dict, fingerprint: str, stats: dict) -> Plan:
 
 def _reused(state: dict) -> _Assessed | None:
     """What the overlap rounds made of the solution the plan is (``_emitted``), if any."""
-    assessed = state.get("assessed")
-    if not assessed or state.get("solve") is None:
+    assessed, solution = state.get("assessed"), state.get("solve")
+    if not assessed or solution is None:
         return None
-    return assessed.get(_solution_key(state["solve"]))
+    # (read by each report stage: the key, a tuple of every node's choice, made once)
+    held = state.get("reused")
+    if held is None or held[0] is not solution:
+        held = state["reused"] = (solution, assessed.get(_solution_key(solution)))
+    return held[1]
 
 
 def _codegen(state: dict) -> CompiledStep:

@@ -1341,10 +1341,18 @@ class IlpBuilder:
         """Read ``held`` as the solution (no solve)."""
         self.held = held
 
-    def sorted_names(self) -> list[str]:
-        """The step's node names, sorted (made once)."""
+    def inner_names(self) -> list[str]:
+        """The names of the nodes whose op can run collectives inside itself under some
+        strategy (``_inner_collectives``: an attention kernel's forward and backward, a
+        cross-entropy's ops), sorted (made once: two a layer at most, of the ~190 nodes of
+        a GPT layer's step)."""
         if self._sorted is None:
-            self._sorted = sorted(self.space.order)
+            targets = self.space.targets
+            self._sorted = sorted(
+                n
+                for n in self.space.order
+                if targets[n] in rules.ATTENTION_Q or targets[n] in vocab.CLASS_OPS
+            )
         return self._sorted
 
     def choice(self) -> dict[str, int]:
@@ -1700,7 +1708,7 @@ def _read(ilp: IlpBuilder) -> Solution:
     # an instance of a fold group runs what its representative's call runs (priced once
     # per representative and strategy); the nodes in name order
     inner: dict[tuple[str, int], list[tuple[Collective, float]]] = {}
-    for n in ilp.sorted_names():
+    for n in ilp.inner_names():
         r, k = rep_of.get(n, n), choice[n]
         runs = inner.get((r, k))
         if runs is None:
