@@ -11,8 +11,12 @@ it searches: the plan cache's key) up to the plan: folding, strategies, costs, I
 and solve, and the report stages (order, buckets, prefetch, memory).
 An unfolded search that reaches the solver's time limit is reported with ">=" (its ratio
 is then a lower bound). Each measurement runs in its own process (a heap left by a large
-unfolded problem slows the next one down); the folded search is the fastest of
-``--repeats``. Prints a markdown table with the machine and versions.
+unfolded problem slows the next one down). The folded search is the fastest of
+``--repeats`` searches in each of ``--processes`` processes a depth, the depths taken in
+turn in each round of processes: a slow spell of a shared machine (the same 96-layer search
+took 3.2-3.8 s from one process to the next on the 2-core VM) then falls on every depth
+alike, and the fastest of each is its search's own time. Prints a markdown table with the
+machine and versions.
 
 Targets (``--check`` exits non-zero when one is missed, or when a depth it needs is not
 measured): the unfolded search at 48 layers at least ``FOLD_SPEEDUP`` times the folded
@@ -117,7 +121,10 @@ def main() -> int:
     ap.add_argument("--mesh", default="8x8")
     ap.add_argument("--device", default="h100")
     ap.add_argument("--time-limit", type=float, default=600.0)
-    ap.add_argument("--repeats", type=int, default=3, help="folded searches per depth (min)")
+    ap.add_argument("--repeats", type=int, default=3, help="folded searches per process (min)")
+    ap.add_argument(
+        "--processes", type=int, default=2, help="processes per depth for the folded search (min)"
+    )
     ap.add_argument("--check", action="store_true", help="fail when a target is missed")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -131,7 +138,8 @@ def main() -> int:
     unfolded_depths = {int(d) for d in args.unfolded_depths.split(",") if d}
     print_header(
         f"mesh {args.mesh}; profile {args.device}; solver time limit {args.time_limit:.0f} s; "
-        f"folded search: fastest of {args.repeats}; each measurement in its own process",
+        f"folded search: fastest of {args.repeats} in each of {args.processes} processes, "
+        "the depths in turn; each measurement in its own process",
         [
             "layers",
             "nodes",
@@ -149,12 +157,19 @@ def main() -> int:
     )
     folded: dict[int, float] = {}
     speedup: dict[int, float] = {}  # unfolded / folded (a lower bound where it was capped)
-    for depth in (int(d) for d in args.depths.split(",")):
-        f = _in_subprocess(depth, args, True)
+    depths = [int(d) for d in args.depths.split(",")]
+    fastest: dict[int, dict] = {}  # the folded search's measurement, the fastest of each depth
+    for _ in range(args.processes):
+        for depth in depths:
+            f = _in_subprocess(depth, args, True)
+            if depth not in fastest or f["search_s"] < fastest[depth]["search_s"]:
+                fastest[depth] = f
+    for depth in depths:
+        f = fastest[depth]
         folded[depth] = f["search_s"]
         row = (
             f"| {depth} | {f['nodes']} | {f['trace_s']:.1f} | {f['solver_nodes']} "
-            f"| {f['variables']} | {f['constraints']} | {f['search_s']:.1f} "
+            f"| {f['variables']} | {f['constraints']} | {f['search_s']:.2f} "
         )
         if depth not in unfolded_depths:
             row += f"| - | - | - | - | {f['step_ms']:.2f} / - |"
