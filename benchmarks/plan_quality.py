@@ -187,9 +187,11 @@ def main() -> int:
                     rows.append((label, autopar.plan(model, mesh, inputs, constraints=cons, **kw),
                                  time.perf_counter() - t0))  # fmt: skip
                 except SolveError as e:
-                    why = (
-                        "" if e.least_bytes is None else f" (least {e.least_bytes / 2**30:.1f} GiB)"
-                    )
+                    why = ""
+                    if e.least_bytes is not None:
+                        why = f" (least {e.least_bytes / 2**30:.1f} GiB)"
+                    elif e.floor_bytes is not None:  # (its state alone: passes/solve)
+                        why = f" (its state alone at least {e.floor_bytes / 2**30:.1f} GiB)"
                     rows.append((label, f"no plan fits{why}", time.perf_counter() - t0))
             base = rows[0][1].cost["total_s"] if isinstance(rows[0][1], autopar.Plan) else None
             for label, plan, wall in rows:

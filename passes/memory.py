@@ -118,6 +118,7 @@ __all__ = [
     "plan_placements",
     "prefetched",
     "simulate",
+    "state_bytes_per_element",
 ]
 
 CATEGORIES = (
@@ -590,9 +591,17 @@ def output_redistributions(
     return found
 
 
+def state_bytes_per_element(optimizer: str) -> int:
+    """Optimizer state bytes per parameter element: ``OPTIMIZERS``' tensors, float32."""
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer {optimizer!r}: one of {sorted(OPTIMIZERS)}")
+    return 4 * OPTIMIZERS[optimizer]
+
+
 def optimizer_bytes(storage: Storage, ps: Placements | None, mesh_shape, optimizer: str) -> int:
-    """Optimizer state one rank holds for a parameter shard (float32 per element)."""
-    return storage.nbytes(ps, mesh_shape) // storage.dtype.itemsize * 4 * OPTIMIZERS[optimizer]
+    """Optimizer state one rank holds for a parameter shard (``state_bytes_per_element``)."""
+    elements = storage.nbytes(ps, mesh_shape) // storage.dtype.itemsize
+    return elements * state_bytes_per_element(optimizer)
 
 
 def peak_bound(

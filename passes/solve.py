@@ -154,7 +154,17 @@ kept round is measured (``_PeakBound``). ``memory_budget`` defaults
 (pipeline) to the device profile's ``usable_memory`` (capacity less a stated reserve).
 An impossible budget is reported with the smallest one that fits and the category that
 dominates it (``smallest_budget``: min M over the same ILP with bytes(i) <= M at the points
-the same loop adds).
+the same loop adds). A budget below the model's state is reported before any ILP is built:
+every point holds each parameter and its optimizer state, and no placement holds less of a
+tensor on every rank than an equal share over all the mesh's ranks, so no plan's peak goes
+below
+
+    floor = sum over parameters p of ceil(numel(p) / ranks) * (bytes per element of p
+            + the optimizer's state bytes per element)                    (``state_floor``)
+
+and a budget under it has no plan: the error names the floor and the least ranks it needs
+(GPT-3 in bf16 mixed precision over (2,4): 317 s of cut rounds and a smallest-budget ILP
+said the same before).
 
 Checkpointing (passes/remat; ``checkpointing=True``, with a budget). Each fold group g
 whose layers can recompute something gets a boolean r[g] (every instance alike), made when
@@ -247,7 +257,7 @@ What the solve reports (``solve``, ``read_solution``): ``status`` "optimal" (wit
 "time_limit" when the clock stopped HiGHS with a plan in hand (the incumbent, the best bound
 and the gap go into the stats, and a warning into the plan); no plan at the time limit is a
 ``SolveError`` that says to raise ``time_limit_s``; an impossible budget, one that names the
-smallest feasible budget. Every node may replicate everything (passes/strategies), so without
+smallest feasible budget (or the model state's floor above it, at once). Every node may replicate everything (passes/strategies), so without
 a budget the ILP always has a solution.
 
 Solved to within ``mip_gap`` (default ``MIP_GAP``, 0.01%) of the optimum with HiGHS through
@@ -327,6 +337,7 @@ from .memory import (
     measure,
     optimizer_bytes,
     peak_bound,
+    state_bytes_per_element,
 )
 from .order import ready_nodes
 from .pins import Pin, check_folding
@@ -340,17 +351,23 @@ __all__ = [
     "overlaps_collectives",
     "smallest_budget",
     "solve",
+    "state_floor",
     "within",
 ]
 
 
 class SolveError(RuntimeError):
     """The ILP has no solution or the solver failed. ``least_bytes``: where no plan fits
-    the memory budget, the smallest budget per rank that one fits (else None)."""
+    the memory budget, the smallest budget per rank that one fits (else None).
+    ``floor_bytes``: where the model's state alone is above the budget (``state_floor``),
+    that floor, and no solve was run (else None)."""
 
-    def __init__(self, message: str, least_bytes: int | None = None):
+    def __init__(
+        self, message: str, least_bytes: int | None = None, floor_bytes: int | None = None
+    ):
         super().__init__(message)
         self.least_bytes = least_bytes
+        self.floor_bytes = floor_bytes
 
 
 GRAD_OVERLAP = 0.75  # the share of all-reduce buckets first counted as hidden ("Overlap")
@@ -1925,6 +1942,34 @@ def smallest_budget(
     return best
 
 
+def state_floor(space: StrategySpace, optimizer: str = "adamw") -> int:
+    """Bytes per rank below which no plan's step memory goes, whatever its placements: the
+    parameters and their optimizer state ("Memory", module docstring: passes/memory holds
+    every parameter through the whole step and counts its state at every point), each
+    tensor at the least a rank can hold of it, an equal share over every rank of the mesh
+    (a placement holds at least ceil(numel / ranks) of its elements on some rank)."""
+    ranks = math.prod(space.mesh.shape)
+    per_element = state_bytes_per_element(optimizer)
+    floor = 0
+    for node in dict.fromkeys(space.params.values()):
+        if node in space.aliases or space.roles[node] != roles.PARAM:
+            continue  # (a tied parameter is stored once)
+        shape, dtype = space.tensor(node)
+        floor += -(-math.prod(shape) // ranks) * (dtype.itemsize + per_element)
+    return floor
+
+
+def _floor_error(budget: float, floor: int, space: StrategySpace, optimizer: str) -> SolveError:
+    ranks = math.prod(space.mesh.shape)
+    return SolveError(
+        f"no plan fits the memory budget of {budget / _MIB:.1f} MiB per rank: the parameters "
+        f"and their {optimizer} state alone take at least {floor / _MIB:.1f} MiB per rank, "
+        f"each split evenly over all {ranks} ranks of the mesh, before any activation; use "
+        f"a mesh of at least {math.ceil(floor * ranks / budget)} ranks, or a larger budget",
+        floor_bytes=floor,
+    )
+
+
 def _budget_error(
     budget: float, least: MemoryReport | None, time_limit_s: float, checkpointing: bool
 ) -> SolveError:
@@ -2020,6 +2065,12 @@ def solve(
         raise ValueError(f"memory_budget: bytes, {DEVICE_BUDGET!r} or None; got {memory_budget!r}")
     else:
         budget = None if memory_budget is None else float(memory_budget)
+    if budget is not None:
+        # a budget below the model's state is said at once: the ILP's rounds of cuts and
+        # the smallest-budget ILP after them found the same (GPT-3 over (2,4): 317 s)
+        floor = state_floor(space, optimizer)
+        if floor > budget + within(budget):
+            raise _floor_error(budget, floor, space, optimizer)
 
     def attempt(options: dict) -> tuple[IlpBuilder, int, MemoryReport | None]:
         ilp = build_ilp(space, profile, solver=solver, optimizer=optimizer, **options)
