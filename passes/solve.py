@@ -1961,11 +1961,15 @@ def state_floor(space: StrategySpace, optimizer: str = "adamw") -> int:
 
 def _floor_error(budget: float, floor: int, space: StrategySpace, optimizer: str) -> SolveError:
     ranks = math.prod(space.mesh.shape)
+    # (the floor shrinks as 1 / ranks: a mesh of fewer ranks than this cannot fit the budget)
+    more = (
+        f"a mesh of at least {math.ceil(floor * ranks / budget)} ranks, or " if budget > 0 else ""
+    )
     return SolveError(
         f"no plan fits the memory budget of {budget / _MIB:.1f} MiB per rank: the parameters "
-        f"and their {optimizer} state alone take at least {floor / _MIB:.1f} MiB per rank, "
-        f"each split evenly over all {ranks} ranks of the mesh, before any activation; use "
-        f"a mesh of at least {math.ceil(floor * ranks / budget)} ranks, or a larger budget",
+        f"and their {optimizer} state alone take at least {floor / _MIB:.1f} MiB ({floor} "
+        f"bytes) per rank, each split evenly over all {ranks} ranks of the mesh, before any "
+        f"activation; use {more}a larger budget",
         floor_bytes=floor,
     )
 

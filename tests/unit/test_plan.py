@@ -89,11 +89,20 @@ def test_memory_budget_forces_parameters_to_be_sharded():
 
 
 def test_impossible_memory_budget_is_a_clear_error():
+    mesh = Mesh((2,), ("dp",))
+    # below what the parameters and their AdamW state take: said at once, with that floor
     with pytest.raises(SolveError, match="memory budget of 0.0 MiB") as e:
-        _gpt_plan(Mesh((2,), ("dp",)), memory_budget=1000)
+        _gpt_plan(mesh, memory_budget=1000)
+    floor = e.value.floor_bytes
+    assert floor is not None and e.value.least_bytes is None
+    assert f"alone take at least {floor / 2**20:.1f} MiB ({floor} bytes)" in str(e.value)
+    # above it, below every plan: the solver names the smallest budget that fits
+    with pytest.raises(SolveError, match="smallest budget that fits") as e:
+        _gpt_plan(mesh, memory_budget=floor + 1024)
     (least,) = re.findall(r"\((\d+) bytes\)", str(e.value))
+    assert int(least) == e.value.least_bytes > floor
     assert "whose largest part is" in str(e.value)
-    _gpt_plan(Mesh((2,), ("dp",)), memory_budget=int(least))  # that one fits
+    _gpt_plan(mesh, memory_budget=int(least))  # that one fits
 
 
 def test_plan_takes_an_autopar_mesh():

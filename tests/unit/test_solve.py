@@ -442,6 +442,9 @@ def test_a_budget_below_the_models_state_is_said_at_once_with_that_floor(monkeyp
         solve(space, memory_budget=floor - 1024)
     assert e.value.floor_bytes == floor and e.value.least_bytes is None
     assert "a mesh of at least 3 ranks" in str(e.value)  # twice the floor over 2 ranks, and more
+    with pytest.raises(SolveError, match="alone take at least") as e:
+        solve(space, memory_budget=0)
+    assert "use a larger budget" in str(e.value)
     monkeypatch.undo()
     # at the floor itself, the solver decides (here: nothing fits, and it names the least)
     with pytest.raises(SolveError, match="smallest budget that fits") as e:
