@@ -1948,23 +1948,26 @@ def state_floor(space: StrategySpace, optimizer: str = "adamw") -> int:
     every parameter through the whole step and counts its state at every point), each
     tensor at the least a rank can hold of it, an equal share over every rank of the mesh
     (a placement holds at least ceil(numel / ranks) of its elements on some rank)."""
-    ranks = math.prod(space.mesh.shape)
+    return _state_share(space, optimizer, math.prod(space.mesh.shape))
+
+
+def _state_share(space: StrategySpace, optimizer: str, ranks: int) -> int:
+    """The parameters and their optimizer state, each split evenly over ``ranks``."""
     per_element = state_bytes_per_element(optimizer)
-    floor = 0
+    share = 0
     for node in dict.fromkeys(space.params.values()):
         if node in space.aliases or space.roles[node] != roles.PARAM:
             continue  # (a tied parameter is stored once)
         shape, dtype = space.tensor(node)
-        floor += -(-math.prod(shape) // ranks) * (dtype.itemsize + per_element)
-    return floor
+        share += -(-math.prod(shape) // ranks) * (dtype.itemsize + per_element)
+    return share
 
 
 def _floor_error(budget: float, floor: int, space: StrategySpace, optimizer: str) -> SolveError:
     ranks = math.prod(space.mesh.shape)
-    # (the floor shrinks as 1 / ranks: a mesh of fewer ranks than this cannot fit the budget)
-    more = (
-        f"a mesh of at least {math.ceil(floor * ranks / budget)} ranks, or " if budget > 0 else ""
-    )
+    # (n ranks hold at least the whole state / n each: fewer than this cannot fit the budget)
+    whole = _state_share(space, optimizer, 1)
+    more = f"a mesh of at least {math.ceil(whole / budget)} ranks, or " if budget > 0 else ""
     return SolveError(
         f"no plan fits the memory budget of {budget / _MIB:.1f} MiB per rank: the parameters "
         f"and their {optimizer} state alone take at least {floor / _MIB:.1f} MiB ({floor} "
