@@ -162,9 +162,10 @@ below
     floor = sum over parameters p of ceil(numel(p) / ranks) * (bytes per element of p
             + the optimizer's state bytes per element)                    (``state_floor``)
 
-and a budget under it has no plan: the error names the floor and the least ranks it needs
-(GPT-3 in bf16 mixed precision over (2,4): 317 s of cut rounds and a smallest-budget ILP
-said the same before).
+and a budget under it has no plan: the error names the floor and the fewest ranks the whole
+state needs at that budget (GPT-3 in bf16 mixed precision over (2,4): ``autopar.plan`` says
+so in 29.5 s, its trace included, where the rounds of cuts and the smallest-budget ILP after
+them took it 317.5 s).
 
 Checkpointing (passes/remat; ``checkpointing=True``, with a budget). Each fold group g
 whose layers can recompute something gets a boolean r[g] (every instance alike), made when
@@ -257,8 +258,8 @@ What the solve reports (``solve``, ``read_solution``): ``status`` "optimal" (wit
 "time_limit" when the clock stopped HiGHS with a plan in hand (the incumbent, the best bound
 and the gap go into the stats, and a warning into the plan); no plan at the time limit is a
 ``SolveError`` that says to raise ``time_limit_s``; an impossible budget, one that names the
-smallest feasible budget (or the model state's floor above it, at once). Every node may replicate everything (passes/strategies), so without
-a budget the ILP always has a solution.
+smallest feasible budget (or, at once, the model state's floor above it). Every node may
+replicate everything (passes/strategies), so without a budget the ILP always has a solution.
 
 Solved to within ``mip_gap`` (default ``MIP_GAP``, 0.01%) of the optimum with HiGHS through
 OR-Tools' ``pywraplp`` (single thread: deterministic). Each solve first solves the linear
@@ -2073,8 +2074,8 @@ def solve(
     else:
         budget = None if memory_budget is None else float(memory_budget)
     if budget is not None:
-        # a budget below the model's state is said at once: the ILP's rounds of cuts and
-        # the smallest-budget ILP after them found the same (GPT-3 over (2,4): 317 s)
+        # a budget below the model's state is said at once, not after the rounds of cuts
+        # and the smallest-budget ILP find that nothing fits ("Memory")
         floor = state_floor(space, optimizer)
         if floor > budget + within(budget):
             raise _floor_error(budget, floor, space, optimizer)
