@@ -811,7 +811,7 @@ class IlpBuilder:
         self.kept: Solution | None = None
         # ``_texts`` and ``_edge_cost``'s: id of a placement tuple -> (it, its texts); R(p, q)
         self._placement_texts: dict[int, tuple[tuple, tuple[str, ...]]] = {}
-        self._sorted: list[str] | None = None
+        self._inner_names: list[str] | None = None
         self._edge_costs: dict[tuple, float | None] = {}
 
     # -- margins ---------------------------------------------------------------------------
@@ -1364,14 +1364,14 @@ class IlpBuilder:
         strategy (``_inner_collectives``: an attention kernel's forward and backward, a
         cross-entropy's ops), sorted (made once: two a layer at most, of the ~190 nodes of
         a GPT layer's step)."""
-        if self._sorted is None:
+        if self._inner_names is None:
             targets = self.space.targets
-            self._sorted = sorted(
+            self._inner_names = sorted(
                 n
                 for n in self.space.order
                 if targets[n] in rules.ATTENTION_Q or targets[n] in vocab.CLASS_OPS
             )
-        return self._sorted
+        return self._inner_names
 
     def choice(self) -> dict[str, int]:
         """Node name -> the index of the strategy the solver set (every node; one dict per
