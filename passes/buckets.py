@@ -20,8 +20,10 @@ shapes (``chain``):
                     RS(inner), AR(each outer), AG(inner), on the flat tensor
 
 The one-axis cases are the ones the solver counts as hiding behind the backward (passes/solve
-"Overlap"); it prices a reduction over several axes whole, and the emitted step (the
-rounds' ``assess``) credits what the bucket hides. Others (a reduce-scatter into a
+"Overlap"); it prices a reduction over several axes whole, its step's length (``objective_s``)
+has each of the chain's steps beside the compute on its axis (``chain``, ``splits_evenly``
+are passes/solve's), and the emitted step (the rounds' ``assess``) credits what the bucket
+hides. Others (a reduce-scatter into a
 ``_StridedShard``, a reduce-scatter that would split a dim unevenly, the loss) stay as they
 are, at the graph's end.
 
@@ -116,7 +118,7 @@ from autopar.core import Plan, StrategySpace, local_shape, parse_placements, red
 from autopar.core.plan import comm_by_kind
 
 from .memory import MemoryReport, held_inputs, simulate
-from .solve import collective_s, overlaps_collectives
+from .solve import chain, collective_s, overlaps_collectives, splits_evenly
 
 __all__ = [
     "BUDGET_ROUNDS",
@@ -150,30 +152,6 @@ class Bucket:
     issue: str = ""
     at: int = 0  # the issue node's position in the step's order
     numel: int = 0  # of the flat input, unpadded
-
-
-def chain(steps: Sequence[tuple[str, str]], scattered: dict[str, int | None]) -> str | None:
-    """``direct`` or ``hierarchical`` where a gradient's listed collectives (``steps``:
-    ``(kind, axis)`` in order) are a reduction over the axes of ``scattered`` (axis ->
-    scatter dim, None: reduced into Replicate; ``core.reductions``) that a bucket can run
-    on one flat tensor (module docstring); else None."""
-    kinds = [k for k, _ in steps]
-    axes = [a for _, a in steps]
-    if (
-        len(steps) >= 3
-        and kinds[0] == "reduce_scatter"
-        and kinds[-1] == "all_gather"
-        and axes[0] == axes[-1]
-        and all(k == "all_reduce" for k in kinds[1:-1])
-        and len(set(axes[:-1])) == len(axes) - 1
-        and set(axes) == set(scattered)
-        and all(d is None for d in scattered.values())
-    ):
-        return "hierarchical"
-    if len(set(axes)) != len(axes) or set(axes) != set(scattered):
-        return None
-    wanted = {a: ("all_reduce" if d is None else "reduce_scatter") for a, d in scattered.items()}
-    return "direct" if all(wanted[a] == k for k, a in steps) else None
 
 
 def candidates(space: StrategySpace, plan: Plan) -> list[tuple]:
@@ -227,22 +205,11 @@ def _reduction(
     if how is None:
         return None
     made = local_shape(shape, src_p, mesh.shape)
-    if how == "direct" and not _splits_evenly(made, steps, scattered, mesh):
+    if how == "direct" and not splits_evenly(
+        made, steps, scattered, dict(zip(mesh.axis_names, mesh.shape))
+    ):
         return None
     return str(getattr(src_p[next(iter(reduced))], "reduce_op", "sum")), math.prod(made)
-
-
-def _splits_evenly(made, steps, scattered, mesh) -> bool:
-    """Each reduce-scatter of ``steps`` splits what the ones before it left evenly (a
-    bucket's flat tensor is the members' equal chunks, rank by rank)."""
-    local = list(made)
-    for kind, axis in steps:
-        d, n = scattered[axis], mesh.shape[mesh.axis_names.index(axis)]
-        if kind == "reduce_scatter" and d is not None:
-            if local[d] % n:
-                return False
-            local[d] //= n
-    return True
 
 
 def step_bytes(b: Bucket, mesh) -> list[int]:

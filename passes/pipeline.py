@@ -298,7 +298,7 @@ def _hides(skip: Collection[str]) -> frozenset[str]:
     buckets' and the prefetches', unless their stage is skipped."""
     kinds = set()
     if "buckets" not in skip:
-        kinds |= {"all_reduce", "reduce_scatter"}
+        kinds |= {"all_reduce", "reduce_scatter", "multi_axis"}
     if "prefetch" not in skip:
         kinds.add("prefetch")
     return frozenset(kinds)

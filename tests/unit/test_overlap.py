@@ -5,6 +5,7 @@ on gloo. DP plans (``experts.dp``) of a GPT on the meta device, costed by ``eval
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
 import warnings
@@ -17,9 +18,14 @@ import autopar
 from autopar import experts
 from autopar.core import reductions
 from autopar.core.schedule import COMM, COMPUTE, bucket_site, schedule, step_length
+from autopar.cost_models import get_profile, reshard_time
 from autopar.models import GPT, GPTConfig, cross_entropy_loss
 from autopar.passes.buckets import chain
+from autopar.passes.fold import fold_regions
 from autopar.passes.memory import held_inputs
+from autopar.passes.solve import MULTI, _bucket, build_ilp
+from autopar.passes.strategies import build_strategies
+from autopar.passes.trace import trace_step
 
 
 def _dp_plan(cfg: GPTConfig, batch: int, mesh: autopar.Mesh) -> autopar.Plan:
@@ -256,6 +262,73 @@ def test_which_reductions_over_several_axes_a_bucket_runs():
     assert chain([(ar, "dp")], both) is None  # tp left unreduced
     assert chain([(rs, "tp"), (ar, "dp"), (ag, "tp")], {"dp": None, "tp": 0}) is None
     assert chain([(rs, "dp"), (ar, "dp")], {"dp": None}) is None
+
+
+def test_the_solver_prices_a_bucket_over_two_axes_as_the_steps_it_runs_on_their_axes():
+    """``solve._bucket``: a gradient summed over both axes of a (2, 4) H100 mesh is
+    reduced in a bucket as a chain of collectives (``chain``), each on its axis; the
+    solver's step length puts each beside the compute on that axis at its own time, and
+    the times sum to the edge's. A reduce-scatter that would split a dim unevenly runs in
+    no bucket."""
+    P, R, S = Partial(), Replicate(), Shard
+    mesh = autopar.Mesh((2, 4), ("dp", "tp"), device="h100", ranks_per_node=4)
+    profile = get_profile("h100")
+    shape_dtype = (torch.Size([1024, 1024]), torch.float32)
+    for dst in ((R, R), (S(0), R), (R, S(0))):
+        edge = reshard_time((P, P), dst, *shape_dtype, mesh, profile)
+        steps = _bucket((P, P), dst, shape_dtype, edge, mesh, profile)
+        assert steps is not None and sorted({a for _, a, _ in steps}) == [0, 1]
+        assert sum(t for _, _, t in steps) == pytest.approx(edge)
+        assert {k for k, _, _ in steps} == {MULTI}
+    one = _bucket((P, R), (S(0), R), shape_dtype, 1.0, mesh, profile)
+    assert one == [("reduce_scatter", 0, 1.0)]  # one axis: the edge's time
+    assert _bucket((P, P), (S(0), R), (torch.Size([3, 8]), torch.float32), 1.0, mesh,
+                   profile) is None  # fmt: skip
+    assert _bucket((S(0), P), (R, R), shape_dtype, 1.0, mesh, profile) is None
+
+
+@pytest.mark.parametrize("cfg, batch", [(LIGHT, 64), (HEAVY, 16)])
+def test_the_solvers_step_with_gradients_summed_over_two_axes_is_the_emitted_steps(cfg, batch):
+    """Data parallelism over both axes of a (2, 4) H100 mesh: the solver's step
+    (``objective_s``) counts each gradient's chain of collectives beside the backward, on
+    their axes, as the emitted step runs them (within 10%). Counted whole, it was 1.7x
+    (LIGHT) and 2.1x (HEAVY) the emitted step. The ILP still counts the chains whole: its
+    objective's coefficient of each chain's pair is the pair's whole time."""
+    mesh = autopar.Mesh((2, 4), ("dp", "tp"), device="h100", ranks_per_node=4)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    tokens = torch.zeros(batch, cfg.seq, dtype=torch.long, device="meta")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = autopar.evaluate(model, mesh, (tokens,), experts.dp(mesh, ["dp", "tp"]),
+                                loss_fn=cross_entropy_loss, example_targets=(tokens,))  # fmt: skip
+    assert plan.stats["bucketed_reductions"] == len(plan.params)
+    assert plan.cost["objective_s"] == pytest.approx(plan.cost["total_s"], rel=0.1)
+
+
+def test_the_ilp_counts_a_bucket_over_two_axes_whole_and_the_step_length_beside():
+    """Crediting the chains over several axes in the ILP changed which plans its rounds
+    reach (passes/solve, "Overlap"): each chain pair's objective coefficient is its whole
+    time, and its steps (``multi_coef``, which the step length ``overlap`` puts beside the
+    backward) sum to it."""
+    mesh = autopar.Mesh((2, 4), ("dp", "tp"), device="h100", ranks_per_node=4)
+    with contextlib.ExitStack() as stack, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with torch.device("meta"):
+            tokens = torch.zeros(64, LIGHT.seq, dtype=torch.long)
+            kw = dict(loss_fn=cross_entropy_loss, example_targets=(tokens,), stack=stack)
+            step = trace_step(GPT(LIGHT), (tokens,), **kw)
+        space = build_strategies(step, mesh, folded=fold_regions(step))
+    ilp = build_ilp(space, get_profile("h100"), solver="HIGHS")
+    steps: dict = {}
+    for pool in ilp.multi_coef.values():
+        for v, c in pool.items():
+            steps[v] = steps.get(v, 0.0) + c
+    assert steps, "no chain over two axes among the gradients' pairs"
+    terms = ilp.objective_terms({})
+    for v, c in steps.items():
+        assert c == pytest.approx(ilp.coef[v]) and terms[v] == pytest.approx(ilp.coef[v])
+    assert all(k[0] == "backward" for k in ilp.multi_coef)
 
 
 @pytest.mark.parametrize("integral", [True, False])
