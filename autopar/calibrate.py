@@ -608,10 +608,12 @@ def _runtime_rank(
         torch.manual_seed(0)
         with torch.device(device):
             gpt = GPT(cfg)
-        # every rank the whole step: nothing split, no collective ("reshard:dp": none)
+        # every rank the whole step: nothing split, no collective, the gradients' and the
+        # loss's included ("reshard:dp": whole; with "none", a profile whose collectives
+        # are cheap against its compute split the backward and gathered its gradients)
         whole = plan_model(gpt, Mesh((world,), ("dp",), device=priced.name), (tokens,),
                            loss_fn=cross_entropy_loss, example_targets=(targets,),
-                           constraints={"*": "R", "input:*": "R", "reshard:dp": "none"})  # fmt: skip
+                           constraints={"*": "R", "input:*": "R", "reshard:dp": "whole"})  # fmt: skip
         pm = compile_step(gpt, mesh, (tokens,), loss_fn=cross_entropy_loss,
                           example_targets=(targets,), plan=whole)  # fmt: skip
         if pm.plan.collectives:

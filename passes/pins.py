@@ -16,7 +16,9 @@ Takes: a ``StrategySpace`` and the user's constraints, ``(pattern, placements te
       two operators, or only where a parameter is used (its edges and those of the views and
       casts of it: an FSDP all-gather). Gradient reductions at the step's outputs stay
       free. Data parallelism as people write it is this: the batch stays sharded from the
-      input to the loss, and the axis carries the gradients' reductions alone.
+      input to the loss, and the axis carries the gradients' reductions alone. With
+      ``whole``, none at the outputs either: every rank runs the whole step on that axis
+      (autopar/calibrate's step of the host; ``SEALED``).
     - ``output:PATTERN``, an ``fnmatch`` pattern over module paths (``*.input_layernorm``):
       the output of each matching module, the last forward op traced inside it whose first
       output is a tensor (``module_outputs``): Megatron's sequence parallelism pins the
@@ -55,6 +57,7 @@ from autopar.core import StrategySpace
 from . import rules
 
 __all__ = [
+    "SEALED",
     "Pin",
     "check_folding",
     "drop_sequence_splits",
@@ -63,6 +66,11 @@ __all__ = [
     "parameter_uses",
     "resolve",
 ]
+
+
+# among a frozen axis's allowed nodes: the step's outputs run no collective on it either
+# (``reshard:AXIS`` ``whole``; passes/solve ``freeze_axes``)
+SEALED = "<sealed>"
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,9 +103,13 @@ def resolve(space: StrategySpace, constraints) -> tuple[list[Pin], dict[int, fro
                 raise ValueError(
                     f"constraint {pattern!r}: the mesh axes are {space.mesh.axis_names}"
                 )
-            if text not in ("none", "params"):
-                raise ValueError(f"constraint {pattern!r}: 'none' or 'params', got {text!r}")
+            if text not in ("none", "params", "whole"):
+                raise ValueError(
+                    f"constraint {pattern!r}: 'none', 'params' or 'whole', got {text!r}"
+                )
             sources = parameter_uses(space) if text == "params" else frozenset()
+            if text == "whole":
+                sources = frozenset({SEALED})
             frozen[space.mesh.axis_names.index(axis)] = sources
             continue
         if pattern == "sequence":

@@ -356,7 +356,7 @@ from .memory import (
     state_bytes_per_element,
 )
 from .order import ready_nodes
-from .pins import Pin, check_folding
+from .pins import SEALED, Pin, check_folding
 
 __all__ = [
     "DEVICE_BUDGET",
@@ -1557,8 +1557,20 @@ def freeze_axes(ilp: IlpBuilder, frozen: Mapping[int, Collection[str]]) -> None:
     """No edge between operators runs a collective on a frozen mesh axis, but those out of
     the axis's allowed nodes, those of a scalar (a mean loss's token count, which the
     backward needs whole) and the reductions of a gradient before its cast (its pairs that
-    would are fixed to 0); the step's outputs stay free."""
+    would are fixed to 0); the step's outputs stay free, but on an axis whose allowed nodes
+    hold ``SEALED``, where none runs one either (every rank runs the whole step)."""
     space = ilp.space
+    for axis, allowed in frozen.items():
+        if SEALED not in allowed:
+            continue
+        for src, src_out, pairs, _ in ilp.sink_pairs:
+            shape, dtype = space.tensor(src, src_out)
+            for var, p, q in pairs:
+                if p[axis] == q[axis]:
+                    continue
+                colls = redistribute_collectives(p, q, shape, dtype, space.mesh.shape)
+                if any(c.axis == axis for c in colls):
+                    var.SetUb(0.0)
     for (src, src_out, dst, _), pairs in ilp.pairs.items():
         if space.reduce_at.get(dst) is not None:
             continue

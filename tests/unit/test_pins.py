@@ -1,6 +1,7 @@
 """Pin part of a plan (``autopar.plan(..., constraints=...)``), cost a given plan
 (``autopar.evaluate``), and the expert plans as constraint sets (autopar/experts.py)."""
 
+import dataclasses
 import math
 
 import pytest
@@ -11,6 +12,7 @@ import autopar
 from autopar import Mesh, experts
 from autopar.api import PlanMismatchError
 from autopar.core.schedule import inside_op
+from autopar.cost_models import get_profile, register_profile
 from autopar.passes.solve import SolveError
 from autopar.show import collective_rows, purpose
 from autopar.verify import build_example
@@ -170,6 +172,7 @@ def test_megatron_reads_hf_conv1d_weights_as_in_by_out():
         ({"*.bias": "R,R"}, "gives 2 placements for a mesh of 1 axes"),
         ({"input:7": "S(0)"}, "the step takes 2 inputs and targets"),
         ({"reshard:tp": "none"}, "the mesh axes are"),
+        ({"reshard:dp": "all"}, "'none', 'params' or 'whole'"),
         ({"output:no.such.*": "R"}, "matches no module path"),
         ({"attention:0": "S(0)"}, "'attention:\\*' pins every attention"),
         ({"*": "Q"}, "is not placements"),
@@ -183,6 +186,26 @@ def test_constraints_that_cannot_hold_say_why(gpt, constraints, message):
     model, inputs, kw = gpt
     with pytest.raises((ValueError, SolveError), match=message):
         autopar.plan(model, MESH_4, inputs, constraints=constraints, memory_budget=math.inf, **kw)
+
+
+def test_an_axis_kept_whole_runs_no_collective_not_even_at_the_outputs(gpt):
+    """``reshard:dp`` ``none`` leaves the step's outputs free: where collectives are cheap
+    against the compute, the solver splits the backward of a replicated model and gathers
+    its gradients at the outputs (autopar calibrate's step of the host was so planned with
+    collectives, under load). ``whole`` runs none anywhere: every rank the whole step."""
+    model, inputs, kw = gpt
+    cpu = get_profile("cpu")
+    fast = dataclasses.replace(
+        cpu, name="cpu-free-link", intra_node_latency=1e-9, intra_node_bandwidth=1e15,
+        inter_node_latency=1e-9, inter_node_bandwidth=1e15, collective_overhead=0.0,
+    )  # fmt: skip
+    register_profile(fast)
+    mesh = Mesh((2,), ("dp",), device=fast.name)
+    pinned = {"*": "R", "input:*": "R"}
+    free = autopar.plan(model, mesh, inputs, constraints=pinned | {"reshard:dp": "none"}, **kw)
+    assert any(purpose(c) != "reshard" for c in free.collectives)  # at the outputs
+    whole = autopar.plan(model, mesh, inputs, constraints=pinned | {"reshard:dp": "whole"}, **kw)
+    assert whole.collectives == ()
 
 
 @pytest.mark.parametrize(
