@@ -1560,32 +1560,29 @@ def freeze_axes(ilp: IlpBuilder, frozen: Mapping[int, Collection[str]]) -> None:
     would are fixed to 0); the step's outputs stay free, but on an axis whose allowed nodes
     hold ``SEALED``, where none runs one either (every rank runs the whole step)."""
     space = ilp.space
+
+    def close(axis: int, pairs, tensor: tuple[str, int]) -> None:
+        """Each of ``pairs`` (variable, p, q) whose collectives run on ``axis``: never."""
+        shape, dtype = space.tensor(*tensor)
+        for var, p, q in pairs:
+            if p[axis] == q[axis]:
+                continue
+            colls = redistribute_collectives(p, q, shape, dtype, space.mesh.shape)
+            if any(c.axis == axis for c in colls):
+                var.SetUb(0.0)
+
     for axis, allowed in frozen.items():
-        if SEALED not in allowed:
-            continue
-        for src, src_out, pairs, _ in ilp.sink_pairs:
-            shape, dtype = space.tensor(src, src_out)
-            for var, p, q in pairs:
-                if p[axis] == q[axis]:
-                    continue
-                colls = redistribute_collectives(p, q, shape, dtype, space.mesh.shape)
-                if any(c.axis == axis for c in colls):
-                    var.SetUb(0.0)
+        if SEALED in allowed:
+            for src, src_out, pairs, _ in ilp.sink_pairs:
+                close(axis, pairs, (src, src_out))
     for (src, src_out, dst, _), pairs in ilp.pairs.items():
         if space.reduce_at.get(dst) is not None:
             continue
-        shape, dtype = space.tensor(src, src_out)
-        if math.prod(shape) <= 1:  # a scalar: the loss's token count (DDP reduces it too)
-            continue
+        if math.prod(space.tensor(src, src_out)[0]) <= 1:
+            continue  # a scalar: the loss's token count (DDP reduces it too)
         for axis, allowed in frozen.items():
-            if src in allowed:
-                continue
-            for ev, p, q in pairs:
-                if p[axis] == q[axis]:
-                    continue
-                colls = redistribute_collectives(p, q, shape, dtype, space.mesh.shape)
-                if any(c.axis == axis for c in colls):
-                    ev.SetUb(0.0)
+            if src not in allowed:
+                close(axis, pairs, (src, src_out))
 
 
 def forbid_choice(ilp: IlpBuilder, choice: Sequence[tuple[str, str]]) -> None:
