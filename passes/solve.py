@@ -1071,7 +1071,7 @@ class IlpBuilder:
                         if self.profile.overlaps_collectives:
                             for a in axes:
                                 self.axis_coef[(part, a)][ev] += c * len(labels) * _SCALE
-                        if hides is not None and MULTI in self.hides:
+                        if hides is not None and hides[0][0] == MULTI and MULTI in self.hides:
                             # a bucket's chain over several axes: whole in W, its steps
                             # beside the compute in the step's length ("Overlap")
                             for _, axis, s in hides:

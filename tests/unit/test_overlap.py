@@ -23,7 +23,7 @@ from autopar.models import GPT, GPTConfig, cross_entropy_loss
 from autopar.passes.buckets import chain
 from autopar.passes.fold import fold_regions
 from autopar.passes.memory import held_inputs
-from autopar.passes.solve import MULTI, _bucket, build_ilp
+from autopar.passes.solve import HIDES, MULTI, _bucket, build_ilp
 from autopar.passes.strategies import build_strategies
 from autopar.passes.trace import trace_step
 
@@ -310,7 +310,8 @@ def test_the_ilp_counts_a_bucket_over_two_axes_whole_and_the_step_length_beside(
     """Crediting the chains over several axes in the ILP changed which plans its rounds
     reach (passes/solve, "Overlap"): each chain pair's objective coefficient is its whole
     time, and its steps (``multi_coef``, which the step length ``overlap`` puts beside the
-    backward) sum to it."""
+    backward) sum to it. With the prefetch stage skipped, a weight's gather ahead is not
+    counted among them (it was, the forward's gathers credited as hidden)."""
     mesh = autopar.Mesh((2, 4), ("dp", "tp"), device="h100", ranks_per_node=4)
     with contextlib.ExitStack() as stack, warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -329,6 +330,12 @@ def test_the_ilp_counts_a_bucket_over_two_axes_whole_and_the_step_length_beside(
     for v, c in steps.items():
         assert c == pytest.approx(ilp.coef[v]) and terms[v] == pytest.approx(ilp.coef[v])
     assert all(k[0] == "backward" for k in ilp.multi_coef)
+    # without prefetches (their stage skipped), a weight's gather ahead is no chain
+    kinds = HIDES - {"prefetch"}
+    bare = build_ilp(space, get_profile("h100"), solver="HIGHS", hides=kinds)
+    assert {k: len(pool) for k, pool in bare.multi_coef.items()} == {
+        k: len(pool) for k, pool in ilp.multi_coef.items()
+    }
 
 
 @pytest.mark.parametrize("integral", [True, False])
