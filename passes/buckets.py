@@ -21,11 +21,10 @@ shapes (``chain``):
 
 The one-axis cases are the ones the solver counts as hiding behind the backward (passes/solve
 "Overlap"); it prices a reduction over several axes whole, its step's length (``objective_s``)
-has each of the chain's steps beside the compute on its axis (``chain``, ``splits_evenly``
+has each of the chain's steps beside the compute on its axis (``chain`` and ``splits_evenly``
 are passes/solve's), and the emitted step (the rounds' ``assess``) credits what the bucket
-hides. Others (a reduce-scatter into a
-``_StridedShard``, a reduce-scatter that would split a dim unevenly, the loss) stay as they
-are, at the graph's end.
+hides. Others (a reduce-scatter into a ``_StridedShard``, a reduce-scatter that would split a
+dim unevenly, the loss) stay as they are, at the graph's end.
 
 How (at plan time so that counts and costs are the plan's): the candidates, in the order
 their gradients are made (``plan.order``, else the traced order), go into one open bucket
