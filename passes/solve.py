@@ -82,7 +82,7 @@ beside the compute, each on its mesh axis's stream, one after another:
       hierarchical reduction) runs its later steps each a bucket later, passes/buckets:
       the ILP counts those whole, in W (below), and the step's length T (``overlap``) has
       each of their steps beside the compute on its axis, as the hiding terms
-      (``multi_coef``; W_p and B_pa without them);
+      (``multi_coef``; W_p and B_pa without their pairs);
     - a reshard of the model's state (passes/prefetch: an edge out of a parameter or a node
       made of parameters alone, passes/order ``ready_nodes``, into a node that reads it
       once, running one collective on one axis), issued while the layer before its
@@ -853,10 +853,9 @@ class IlpBuilder:
         # hidden); before the first solve, each kind's ``FIRST_SHARE``
         self.hide_scale: dict[tuple[str, int], float] = {}
         # per (part, axis), the steps of the buckets' chains over several axes on it: in
-        # the objective whole (in ``coef``, and in ``axis_coef``: those apart,
-        # ``multi_axis_coef``), in the step's length (``overlap``) beside the compute
+        # the objective whole (their pairs in ``coef`` and ``axis_coef``), in the step's
+        # length (``overlap``) beside the compute
         self.multi_coef: dict[tuple[str, int], dict] = defaultdict(lambda: defaultdict(float))
-        self.multi_axis_coef: dict[tuple[str, int], dict] = defaultdict(lambda: defaultdict(float))
         self.early = ready_nodes(space)
         self.node_cost: dict[str, list[float]] = {}
         self.merged: set[str] = set()
@@ -1078,8 +1077,6 @@ class IlpBuilder:
                             # beside the compute in the step's length ("Overlap")
                             for _, axis, s in hides:
                                 self.multi_coef[(part, axis)][ev] += s * len(labels) * _SCALE
-                            for a in axes:
-                                self.multi_axis_coef[(part, a)][ev] += c * len(labels) * _SCALE
                     self.edge_terms.append(_EdgeTerm(labels, ev, p, q, c, shape_dtype))
         for p, xs in src_groups.items():
             self._equal(pair_vars_p[p], xs)
@@ -1427,8 +1424,10 @@ class IlpBuilder:
         multi = {k: value(pool) for k, pool in self.multi_coef.items()}
         if not any(multi.values()):
             return whole + sum(exposed.values()), scales
-        for (part, axis), pool in self.multi_axis_coef.items():
-            others[(part, axis)] -= value(pool)
+        # (B_pa without the chains: their pairs' whole time on each axis they run on)
+        chains = {v for pool in self.multi_coef.values() for v in pool}
+        for key, pool in self.axis_coef.items():
+            others[key] -= value({v: c for v, c in pool.items() if v in chains})
         chained = dict.fromkeys(PARTS, 0.0)
         for (part, _), h in multi.items():
             chained[part] += h
