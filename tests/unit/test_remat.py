@@ -20,6 +20,7 @@ import autopar
 from autopar.core import roles
 from autopar.models import EXAMPLES, mse_loss
 from autopar.passes import remat
+from autopar.passes import solve as solve_pass
 from autopar.passes.fold import fold_regions
 from autopar.passes.memory import liveness, measure, simulate
 from autopar.passes.strategies import build_strategies
@@ -127,21 +128,55 @@ def test_the_layers_are_offered_to_checkpoint_only_once_a_plan_exceeds_the_budge
     assert len(found) == 1 and len(tight.recompute) == 2
 
 
-def _plan(example, fraction: float) -> autopar.Plan:
-    """The plan of a zoo ``example`` on one CPU device within ``fraction`` of its step's
-    memory, without an optimizer."""
+def _plan(example, fraction: float, mesh: autopar.Mesh = MESH) -> autopar.Plan:
+    """The plan of a zoo ``example`` on ``mesh`` (one CPU device) within ``fraction`` of its
+    step's memory, without an optimizer."""
     model, inputs, loss_fn, targets = example
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return autopar.plan(
             model,
-            MESH,
+            mesh,
             inputs,
             loss_fn=loss_fn,
             example_targets=targets,
             memory_fraction=fraction,
             optimizer="none",
         )
+
+
+@pytest.mark.parametrize("devices, fraction, checkpointed", [(1, 0.85, True), (2, 0.6, False)])
+def test_the_solver_branches_on_checkpointing_and_finds_the_plan_of_the_whole_ilp(
+    monkeypatch, devices, fraction, checkpointed
+):
+    # passes/solve ``_by_checkpointing``: the ILP with the layers' r = 0, then with r = 1
+    # where its relaxation at r = 1 does not rule that out: the plan of the ILP solved whole
+    # (big-M terms for r), and its objective within the gap
+    branches = []
+    real = solve_pass._solve_copy
+
+    def solve_copy(model, *args, **kwargs):
+        flags = [v for v in model.variable if v.name.startswith("r_")]
+        branches.append([v.upper_bound for v in flags if v.lower_bound == v.upper_bound])
+        return real(model, *args, **kwargs)
+
+    monkeypatch.setattr(solve_pass, "_solve_copy", solve_copy)
+    torch.manual_seed(0)
+    example = EXAMPLES["gpt"]()
+    mesh = autopar.Mesh((devices,), ("dp",), device="cpu")
+    split = _plan(example, fraction, mesh)
+    assert bool(split.recompute) == checkpointed
+    assert split.stats["peak_bytes"] <= split.stats["memory_budget"]
+    # one device: no plan fits without checkpointing, and the branch with it is solved;
+    # two: the plan that shards fits, and the relaxation with r = 1 is above it
+    want = [[0.0], [1.0]] if checkpointed else [[0.0]]
+    assert branches[-len(want) :] == want
+    monkeypatch.setattr(solve_pass, "_by_checkpointing", lambda *a: None)
+    whole = _plan(example, fraction, mesh)
+    assert {r.region for r in whole.recompute} == {r.region for r in split.recompute}
+    assert whole.cost["objective_s"] == pytest.approx(
+        split.cost["objective_s"], rel=solve_pass.MIP_GAP
+    )
 
 
 @pytest.mark.parametrize("name, fraction", [("gpt", 0.85), ("hf-llama", 0.8)])
