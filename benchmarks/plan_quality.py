@@ -19,7 +19,7 @@ checkpointed):
 
 Every plan, autopar's and the experts', is solved by the same ILP (passes/solve, with its
 simplifications: following nodes merged into their producers, one mesh axis changed per
-edge; an expert's without them where its pins need it, ``exact_ilp``): like for like, and
+edge; an expert's without them where its pins need it, ``unsimplified``): like for like, and
 kinder to the experts than their own code, which leaves the activations where DTensor's
 rules put them.
 

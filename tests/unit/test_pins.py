@@ -136,8 +136,17 @@ def test_fsdp_with_megatron_shards_each_weight_over_both_axes(gpt):
     got = plan.param_placements
     assert got["blocks.0.fc1.weight"] == (Shard(1), Shard(0))
     assert got["blocks.1.ln2.weight"] == (Shard(0), Replicate())
-    # the layout needs reshards the simplified ILP leaves out: solved exactly, and said so
-    assert plan.stats["exact_ilp"] and any("solved without" in w for w in plan.warnings)
+    # the layout needs reshards the simplified ILP leaves out: solved without them, and
+    # said so; in float32 without merging following nodes and with every pair
+    assert plan.stats["unsimplified"] == ["merge", "reshard_axes"]
+    assert any("at once: solved without those simplifications" in w for w in plan.warnings)
+    # in bf16 mixed precision each weight's cast is one more node to reshard before: without
+    # merging is enough, and the ILP with every pair is not asked (passes/solve)
+    mp = autopar.MixedPrecision(torch.bfloat16, reduce_dtype=torch.float32)
+    bf16 = autopar.evaluate(model, MESH_2x2, inputs, cons, mp_policy=mp, **kw)
+    assert bf16.param_placements["blocks.0.fc1.weight"] == (Shard(1), Shard(0))
+    assert bf16.stats["unsimplified"] == ["merge"]
+    assert any("following node: solved without that simplification" in w for w in bf16.warnings)
     gathered = {
         c["edge"].split("->")[0]
         for c in plan.collectives
