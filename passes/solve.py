@@ -343,6 +343,7 @@ from autopar.core import (
     Collective,
     Edge,
     Mesh,
+    Placements,
     Recompute,
     Solution,
     Strategy,
@@ -2206,37 +2207,75 @@ def smallest_budget(
     return best
 
 
-def state_floor(space: StrategySpace, optimizer: str = "adamw") -> int:
+def state_floor(space: StrategySpace, optimizer: str = "adamw", pins: Sequence[Pin] = ()) -> int:
     """Bytes per rank below which no plan's step memory goes, whatever its placements: the
     parameters and their optimizer state ("Memory", module docstring: passes/memory holds
     every parameter through the whole step and counts its state at every point), each
     tensor at the least a rank can hold of it, an equal share over every rank of the mesh
-    (a placement holds at least ceil(numel / ranks) of its elements on some rank)."""
-    return _state_share(space, optimizer, math.prod(space.mesh.shape))
+    (a placement holds at least ceil(numel / ranks) of its elements on some rank); a
+    parameter ``pins`` place, at what its placement holds on a rank."""
+    return _state_share(space, optimizer, math.prod(space.mesh.shape), _pinned(space, pins))
 
 
-def _state_share(space: StrategySpace, optimizer: str, ranks: int) -> int:
-    """The parameters and their optimizer state, each split evenly over ``ranks``."""
+def _pinned(space: StrategySpace, pins: Sequence[Pin]) -> dict[str, Placements]:
+    """The placements ``pins`` give the step's parameters (the first pin of each)."""
+    out: dict[str, Placements] = {}
+    for pin in pins:
+        if pin.node in out or space.roles.get(pin.node) != roles.PARAM:
+            continue
+        for st in space.strategies.get(pin.node, ()):
+            ps = st.out[0] if st.out else None
+            if ps is not None and _text(ps) == pin.out:
+                out[pin.node] = ps
+                break
+    return out
+
+
+def _state_share(
+    space: StrategySpace,
+    optimizer: str,
+    ranks: int,
+    pinned: Mapping[str, Placements] | None = None,
+) -> int:
+    """The parameters and their optimizer state, each split evenly over ``ranks``, or as
+    ``pinned`` places it."""
     per_element = state_bytes_per_element(optimizer)
+    mesh_shape = tuple(space.mesh.shape)
     share = 0
     for node in dict.fromkeys(space.params.values()):
         if node in space.aliases or space.roles[node] != roles.PARAM:
             continue  # (a tied parameter is stored once)
         shape, dtype = space.tensor(node)
-        share += -(-math.prod(shape) // ranks) * (dtype.itemsize + per_element)
+        if pinned and node in pinned:
+            elements = local_bytes(shape, dtype, pinned[node], mesh_shape) // dtype.itemsize
+        else:
+            elements = -(-math.prod(shape) // ranks)
+        share += elements * (dtype.itemsize + per_element)
     return share
 
 
-def _floor_error(budget: float, floor: int, space: StrategySpace, optimizer: str) -> SolveError:
+def _floor_error(
+    budget: float, floor: int, space: StrategySpace, optimizer: str, pins: Sequence[Pin] = ()
+) -> SolveError:
     ranks = math.prod(space.mesh.shape)
-    # (n ranks hold at least the whole state / n each: fewer than this cannot fit the budget)
-    whole = _state_share(space, optimizer, 1)
-    more = f"a mesh of at least {math.ceil(whole / budget)} ranks, or " if budget > 0 else ""
+    pinned = _pinned(space, pins)
+    if pinned:
+        held = _state_share(space, optimizer, ranks, pinned) - _state_share(space, optimizer, ranks)
+        how = (
+            f"the {len(pinned)} pinned parameters as pinned ({held / _MIB:.1f} MiB more than "
+            f"split evenly) and the others split evenly over all {ranks} ranks of the mesh"
+        )
+        advice = "pin fewer parameters replicated, or use a larger budget"
+    else:
+        # (n ranks hold at least the whole state / n each: fewer than this cannot fit)
+        whole = _state_share(space, optimizer, 1)
+        more = f"a mesh of at least {math.ceil(whole / budget)} ranks, or " if budget > 0 else ""
+        how = f"each split evenly over all {ranks} ranks of the mesh"
+        advice = f"use {more}a larger budget"
     return SolveError(
         f"no plan fits the memory budget of {budget / _MIB:.1f} MiB per rank: the parameters "
         f"and their {optimizer} state alone take at least {floor / _MIB:.1f} MiB ({floor} "
-        f"bytes) per rank, each split evenly over all {ranks} ranks of the mesh, before any "
-        f"activation; use {more}a larger budget",
+        f"bytes) per rank, {how}, before any activation; {advice}",
         floor_bytes=floor,
     )
 
@@ -2339,9 +2378,9 @@ def solve(
     if budget is not None:
         # a budget below the model's state is said at once, not after the rounds of cuts
         # and the smallest-budget ILP find that nothing fits ("Memory")
-        floor = state_floor(space, optimizer)
+        floor = state_floor(space, optimizer, pins)
         if floor > budget + within(budget):
-            raise _floor_error(budget, floor, space, optimizer)
+            raise _floor_error(budget, floor, space, optimizer, pins)
 
     def attempt(options: dict) -> tuple[IlpBuilder, int, MemoryReport | None]:
         ilp = build_ilp(space, profile, solver=solver, optimizer=optimizer, **options)

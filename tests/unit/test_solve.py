@@ -28,6 +28,7 @@ from autopar.core import Edge, Mesh, MixedPrecision, Sink, Strategy, StrategySpa
 from autopar.cost_models import compute_time, get_profile, redistribute_time
 from autopar.models import hf_llama, hf_logits_loss, lm_batch
 from autopar.passes.fold import fold_regions
+from autopar.passes.pins import Pin
 from autopar.passes.solve import SolveError, build_ilp, solve
 from autopar.passes.strategies import build_strategies
 from autopar.passes.trace import trace_step
@@ -450,6 +451,29 @@ def test_a_budget_below_the_models_state_is_said_at_once_with_that_floor(monkeyp
     with pytest.raises(SolveError, match="smallest budget that fits") as e:
         solve(space, memory_budget=floor)
     assert e.value.least_bytes == least and e.value.floor_bytes is None
+
+
+def test_pinned_parameters_count_at_their_placement_in_the_floor(monkeypatch):
+    """A parameter the constraints pin holds what its placement holds on a rank: pinned
+    replicated (data parallelism), the whole weight and its state on every rank, a floor
+    above the even split's; a budget between the two is refused before any ILP, and the
+    error names the pins, not a larger mesh (more ranks do not shrink a replica)."""
+    space = _space(batch=4096, hidden=1024, ffn=4096, data_parallel=True)
+    even = solve_pass.state_floor(space)
+    replicated = [Pin("w1", "R"), Pin("w2", "R")]
+    floor = solve_pass.state_floor(space, pins=replicated)
+    assert floor == 2 * even  # each weight whole on both ranks, and its two moments
+    one = solve_pass.state_floor(space, pins=[Pin("w1", "R"), Pin("w2", "S(1)")])
+    assert even < one < floor
+    monkeypatch.setattr(solve_pass, "build_ilp", lambda *a, **k: pytest.fail("an ILP was built"))
+    with pytest.raises(SolveError, match="the 2 pinned parameters as pinned") as e:
+        solve(space, memory_budget=(even + floor) / 2, pins=replicated)
+    assert e.value.floor_bytes == floor and "a mesh of at least" not in str(e.value)
+    monkeypatch.undo()
+    # unpinned, the same budget is above the floor: the ILP decides (and names the least)
+    with pytest.raises(SolveError, match="smallest budget that fits") as e:
+        solve(space, memory_budget=(even + floor) / 2)
+    assert e.value.floor_bytes is None
 
 
 def test_the_state_floor_is_under_a_traced_layers_plan_and_refuses_below_it(llama_layer):
