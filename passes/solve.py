@@ -181,7 +181,9 @@ below
 and a budget under it has no plan: the error names the floor and the fewest ranks the whole
 state needs at that budget (GPT-3 in bf16 mixed precision over (2,4): ``autopar.plan`` says
 so in 29.5 s, its trace included, where the rounds of cuts and the smallest-budget ILP after
-them took it 317.5 s).
+them took it 317.5 s). A parameter the constraints pin counts at what its placement holds
+on a rank, not an equal share (pinned replicated, as data parallelism pins it: the whole of
+it), and the error names the pins instead of a larger mesh, which does not shrink a replica.
 
 Checkpointing (passes/remat; ``checkpointing=True``, with a budget). Each fold group g
 whose layers can recompute something gets a boolean r[g] (every instance alike), made when
