@@ -302,10 +302,11 @@ Solved to within ``mip_gap`` (default ``MIP_GAP``, 0.01%) of the optimum with Hi
 OR-Tools' ``pywraplp`` (single thread: deterministic). Each solve first solves the linear
 relaxation (every variable continuous, ``_relaxed``): where every integer variable comes
 out integral, that is the ILP's optimum, exactly, and the ILP is not solved; elsewhere the
-ILP is solved, in what is left of the time limit. The search's relaxation is integral as a
-rule: Llama-3-8B's bf16 step over (8,8), 8011 integer variables, solved in 1.1 s against
-3.5 s as an ILP, with the same objective; with its four rounds so solved, the plan went
-from 34 s to 27-30 s. The overlap rounds ("Overlap") solve on two threads where they can:
+ILP is solved, in what is left of the time limit (an ILP with checkpointing flags is solved
+in branches on them instead, each without its relaxation first: "Checkpointing"). The
+search's relaxation is integral as a rule: Llama-3-8B's bf16 step over (8,8), 8011 integer
+variables, solved in 1.1 s against 3.5 s as an ILP, with the same objective; with its four
+rounds so solved, the plan went from 34 s to 27-30 s. The overlap rounds ("Overlap") solve on two threads where they can:
 a round whose shares are known is solved on a copy of the ILP beside the simulation of
 the round before (``_SolveBeside``), with the same model and objective as in place, so the
 same plan. The first solve runs on a thread too, while this one makes what the memory
@@ -1659,7 +1660,7 @@ def _run(ilp: IlpBuilder, time_limit_s: float, mip_gap: float) -> int:
     t0 = time.perf_counter()
     # a fold group's checkpointing flag: branches on it, each an ILP (``_by_checkpointing``);
     # the relaxation with the flags free is not tried first (its big-M terms are not
-    # integral where a cut binds; Llama-3-8B over (2, 4): 1.8 s of the round's 44 s)
+    # integral where a cut binds; Llama-3-8B over (2, 4): 1.7 s of the round's 43.0 s)
     flags = [r.index() for r, *_ in ilp.remat.values()]
     split = _by_checkpointing(model, flags, ilp.solver, time_limit_s, mip_gap)
     if split is not None:
@@ -2267,7 +2268,7 @@ def _floor_error(
             f"the {len(pinned)} pinned parameters as pinned ({held / _MIB:.1f} MiB more than "
             f"split evenly) and the others split evenly over all {ranks} ranks of the mesh"
         )
-        advice = "pin fewer parameters replicated, or use a larger budget"
+        advice = "shard the pinned parameters over more of the mesh, or use a larger budget"
     else:
         # (n ranks hold at least the whole state / n each: fewer than this cannot fit)
         whole = _state_share(space, optimizer, 1)
