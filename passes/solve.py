@@ -282,14 +282,18 @@ Simplifications (each loses optimality only in the case it names):
 
 Constraints (``pins``, ``frozen`` axes, ``forbid``) can need what the simplifications leave
 out (a pinned parameter resharded on two axes into its consumer): an ILP they make
-infeasible is solved again without merging, and, where still infeasible, with every pair
-too (``SIMPLIFICATIONS``; ``stats["unsimplified"]``, and a warning), so no constraint is
-refused because of them. Merging is what the expert plans' pins need left out, as a rule:
-on Llama-3.2-1B over (2, 4) in bf16 mixed precision, FSDP over both axes and Megatron TP
-with FSDP (with and without SP) are infeasible simplified, and without merging alone
-solve to the same objective as the exact ILP, in 6.0-6.4 s against 14.6-15.1 s (its
-78k variables against 179k; without a budget, the trace and strategies not counted): with
-the simplified ILP tried first, 9.3-10.1 s where asking the exact ILP took 17.8-19.4 s.
+infeasible is solved again without merging, and with every pair on the edges out of a
+parameter, its casts and views (pins ``parameter_uses``; ``IlpBuilder.wide``); where still
+infeasible, with every pair on every edge (``SIMPLIFICATIONS``; ``stats["unsimplified"]``,
+and a warning), so no constraint is refused because of them. The expert plans' pins need
+the first as a rule, and it costs them what the exact ILP does. In bf16 mixed precision,
+``autopar.evaluate`` with the device's budget: Llama-3.2-1B over (2, 4), FSDP over both
+axes and Megatron TP with FSDP (with and without SP), 104.08, 100.85 and 105.26 ms either
+way; Llama-3-8B over (2, 4), Megatron TP + SP with FSDP, 477.89 ms either way; GPT-3 over
+(2, 4), FSDP over both axes, 8089.59 against 8089.60 ms. Without merging alone (one axis
+per edge out of a parameter too) the last two came to 480.9 and 8380.0 ms. The 1B's
+three solve in 10.1-11.4 s, where the exact ILP (179k variables against 85k) took
+17.8-19.4 s (without a budget; the trace and strategies not counted).
 
 What the solve reports (``solve``, ``read_solution``): ``status`` "optimal" (within the gap);
 "time_limit" when the clock stopped HiGHS with a plan in hand (the incumbent, the best bound
@@ -381,7 +385,7 @@ from .memory import (
     state_bytes_per_element,
 )
 from .order import ready_nodes
-from .pins import SEALED, Pin, check_folding
+from .pins import SEALED, Pin, check_folding, parameter_uses
 
 __all__ = [
     "DEVICE_BUDGET",
@@ -421,13 +425,17 @@ PARTS = ("forward", "backward")
 HIDES = frozenset(FIRST_SHARE) | {MULTI}  # the kinds of overlap the emitted step has (all)
 MIP_GAP = 1e-4  # stop within 0.01% of the optimum (HiGHS's own default)
 
-SIMPLIFICATIONS: tuple[tuple[str, str, Callable[[StrategySpace], Any]], ...] = (
-    ("merge", "right before a following node", lambda space: False),
-    ("reshard_axes", "on several axes at once", lambda space: space.mesh.ndim),
+SIMPLIFICATIONS: tuple[tuple[str, str, Callable[[StrategySpace], dict]], ...] = (
+    (
+        "merge",
+        "right before a following node or out of a parameter on several axes",
+        lambda space: {"merge": False, "wide": parameter_uses(space)},
+    ),
+    ("reshard_axes", "on several axes anywhere", lambda space: {"reshard_axes": space.mesh.ndim}),
 )
 """The ILP's simplifications (module docstring) in the order an ILP that constraints make
-infeasible is solved without them: the option of each, the resharding it leaves out (as
-the warning says it), and the option's value without it."""
+infeasible is solved without them: the name of each, the resharding it leaves out (as the
+warning says it), and the options that leave it out."""
 log = logging.getLogger("autopar")
 
 _SCALE = 1e6  # seconds -> microseconds inside the ILP, to keep coefficients well scaled
@@ -850,10 +858,12 @@ class IlpBuilder:
         solver: str,
         merge: bool = True,
         reshard_axes: int | None = 1,
+        wide: Collection[str] = frozenset(),
         optimizer: str = "adamw",
         hides: Collection[str] = HIDES,
     ):
         self.space = space
+        self.wide = frozenset(wide)  # sources whose edges keep every pair (``SIMPLIFICATIONS``)
         self.hides = frozenset(hides) if profile.overlaps_collectives else frozenset()
         self.profile = profile
         self.merge = merge
@@ -1149,7 +1159,7 @@ class IlpBuilder:
                 src_out,
                 self.in_group(dst, dst_in),
                 follow=self.merge and cast is None and self._following(dst),
-                max_axes=self.reshard_axes,
+                max_axes=None if src in self.wide else self.reshard_axes,
                 reduce=reduce,
                 forward=space.roles[dst] != roles.BACKWARD,
                 prefetch=src in self.early and once,
@@ -2541,7 +2551,7 @@ def solve(
     for option, what, without in SIMPLIFICATIONS:
         if not constrained or status != pywraplp.Solver.INFEASIBLE:
             break
-        loosened = dict(options, **{option: without(space)})
+        loosened = dict(options, **without(space))
         if loosened == options:
             continue
         # NOTE: the simplifications (module docstring) leave out pairs that a constrained

@@ -13,6 +13,7 @@ from autopar import Mesh, experts
 from autopar.api import PlanMismatchError
 from autopar.core.schedule import inside_op
 from autopar.cost_models import get_profile, register_profile
+from autopar.passes import solve as solve_pass
 from autopar.passes.solve import SolveError
 from autopar.show import collective_rows, purpose
 from autopar.verify import build_example
@@ -128,7 +129,7 @@ def test_megatron_expert_plan_splits_columns_then_rows(gpt):
     assert any(c["axis"] == "tp" for c in plan.collectives)
 
 
-def test_fsdp_with_megatron_shards_each_weight_over_both_axes(gpt):
+def test_fsdp_with_megatron_shards_each_weight_over_both_axes(gpt, monkeypatch):
     model, inputs, kw = gpt
     cons = experts.megatron(model, MESH_2x2, dp="dp", fsdp=True)
     assert cons["blocks.0.fc1.weight"] == "S(1),S(0)" and cons["blocks.0.fc2.weight"] == "S(0),S(1)"
@@ -136,17 +137,24 @@ def test_fsdp_with_megatron_shards_each_weight_over_both_axes(gpt):
     got = plan.param_placements
     assert got["blocks.0.fc1.weight"] == (Shard(1), Shard(0))
     assert got["blocks.1.ln2.weight"] == (Shard(0), Replicate())
-    # the layout needs reshards the simplified ILP leaves out: solved without them, and
-    # said so; in float32 without merging following nodes and with every pair
-    assert plan.stats["unsimplified"] == ["merge", "reshard_axes"]
-    assert any("at once: solved without those simplifications" in w for w in plan.warnings)
-    # in bf16 mixed precision each weight's cast is one more node to reshard before: without
-    # merging is enough, and the ILP with every pair is not asked (passes/solve)
+    # the layout needs reshards the simplified ILP leaves out: solved without merging and
+    # with every pair out of a parameter (passes/solve ``SIMPLIFICATIONS``), and said so
+    assert plan.stats["unsimplified"] == ["merge"]
+    assert any(
+        "out of a parameter on several axes: solved without that" in w for w in plan.warnings
+    )
+    # in bf16 mixed precision too (a cast more between each weight and its matmul), and
+    # the ILP with every pair on every edge, as big again, costs the plan the same
     mp = autopar.MixedPrecision(torch.bfloat16, reduce_dtype=torch.float32)
     bf16 = autopar.evaluate(model, MESH_2x2, inputs, cons, mp_policy=mp, **kw)
     assert bf16.param_placements["blocks.0.fc1.weight"] == (Shard(1), Shard(0))
     assert bf16.stats["unsimplified"] == ["merge"]
-    assert any("following node: solved without that simplification" in w for w in bf16.warnings)
+    everywhere = (("exact", "anywhere", lambda space: {"merge": False, "reshard_axes": 2}),)
+    monkeypatch.setattr(solve_pass, "SIMPLIFICATIONS", everywhere)
+    exact = autopar.evaluate(model, MESH_2x2, inputs, cons, mp_policy=mp, **kw)
+    assert exact.stats["unsimplified"] == ["exact"]
+    assert exact.stats["variables"] > 1.5 * bf16.stats["variables"]
+    assert bf16.cost["total_s"] == pytest.approx(exact.cost["total_s"], rel=1e-4)
     gathered = {
         c["edge"].split("->")[0]
         for c in plan.collectives
