@@ -291,9 +291,11 @@ the first as a rule, and it costs them what the exact ILP does. In bf16 mixed pr
 axes and Megatron TP with FSDP (with and without SP), 104.08, 100.85 and 105.26 ms either
 way; Llama-3-8B over (2, 4), Megatron TP + SP with FSDP, 477.89 ms either way; GPT-3 over
 (2, 4), FSDP over both axes, 8089.59 against 8089.60 ms. Without merging alone (one axis
-per edge out of a parameter too) the last two came to 480.9 and 8380.0 ms. The 1B's
-three solve in 10.1-11.4 s, where the exact ILP (179k variables against 85k) took
-17.8-19.4 s (without a budget; the trace and strategies not counted).
+per edge out of a parameter too) the last two came to 480.9 and 8380.0 ms. With the
+simplified ILP tried first, the 1B's three solve in 10.1-11.4 s, where the exact ILP as
+the retry (179k variables against 85k) took them to 17.8-19.4 s (without a budget; the
+trace and strategies not counted). ``stats["unsimplified"]`` names the retries asked
+(``SIMPLIFICATIONS``' first names), "merge" for the first.
 
 What the solve reports (``solve``, ``read_solution``): ``status`` "optimal" (within the gap);
 "time_limit" when the clock stopped HiGHS with a plan in hand (the incumbent, the best bound

@@ -144,7 +144,7 @@ def test_fsdp_with_megatron_shards_each_weight_over_both_axes(gpt, monkeypatch):
         "out of a parameter on several axes: solved without that" in w for w in plan.warnings
     )
     # in bf16 mixed precision too (a cast more between each weight and its matmul), and
-    # the ILP with every pair on every edge, as big again, costs the plan the same
+    # the ILP with every pair on every edge, over half as big again, costs the plan the same
     mp = autopar.MixedPrecision(torch.bfloat16, reduce_dtype=torch.float32)
     bf16 = autopar.evaluate(model, MESH_2x2, inputs, cons, mp_policy=mp, **kw)
     assert bf16.param_placements["blocks.0.fc1.weight"] == (Shard(1), Shard(0))
