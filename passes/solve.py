@@ -1885,11 +1885,8 @@ def _by_checkpointing(
         return (pywraplp.Solver.INFEASIBLE if both else status1), None
     values, value, _ = min(plans, key=lambda h: h[1])
     exact = {status, status1} <= {pywraplp.Solver.OPTIMAL, pywraplp.Solver.INFEASIBLE}
-    return (pywraplp.Solver.OPTIMAL if exact else pywraplp.Solver.FEASIBLE), (
-        values,
-        value,
-        min(bounds),
-    )
+    status = pywraplp.Solver.OPTIMAL if exact else pywraplp.Solver.FEASIBLE
+    return status, (values, value, min(bounds))
 
 
 BESIDE_SOLVERS = ("HIGHS",)

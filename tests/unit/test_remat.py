@@ -129,8 +129,8 @@ def test_the_layers_are_offered_to_checkpoint_only_once_a_plan_exceeds_the_budge
 
 
 def _plan(example, fraction: float, mesh: autopar.Mesh = MESH) -> autopar.Plan:
-    """The plan of a zoo ``example`` on ``mesh`` (default: one CPU device) within ``fraction`` of its
-    step's memory, without an optimizer."""
+    """The plan of a zoo ``example`` on ``mesh`` (default: one CPU device) within
+    ``fraction`` of its step's memory, without an optimizer."""
     model, inputs, loss_fn, targets = example
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
