@@ -2547,7 +2547,7 @@ def solve(
     ilp, status, report = attempt(options)
     retried: list[tuple[str, str]] = []  # the simplifications left out, and what they leave out
     constrained = pins or frozen or forbid
-    for option, what, without in SIMPLIFICATIONS:
+    for name, what, without in SIMPLIFICATIONS:
         if not constrained or status != pywraplp.Solver.INFEASIBLE:
             break
         loosened = dict(options, **without(space))
@@ -2559,7 +2559,7 @@ def solve(
         # because of them, so the ILP without them is asked, one at a time, before saying no
         log.info("the constraints admit no plan of the simplified ILP: resharding %s too", what)
         ilp, status, report = attempt(loosened)
-        retried.append((option, what))
+        retried.append((name, what))
         options = loosened
     ilp_s = round(time.perf_counter() - t0, 6)
     if status == pywraplp.Solver.NOT_SOLVED:
@@ -2604,7 +2604,7 @@ def solve(
         stats["overlap_rounds"] = ilp.rounds
     warnings = []
     if retried:
-        stats["unsimplified"] = [option for option, _ in retried]
+        stats["unsimplified"] = [name for name, _ in retried]
         warnings.append(
             "the constraints admit no plan without resharding "
             f"{' or '.join(what for _, what in retried)}: "
