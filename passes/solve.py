@@ -211,15 +211,24 @@ cut makes it pay: without a budget no r is made.
 The ILP with r is solved in branches on r, not whole (``_by_checkpointing``): its big-M
 terms make the relaxation weak (at r = 0.01 a group's saved activations shrink by a
 hundredth of M for a hundredth of its recompute time), and the solver spent most of its
-time closing that. First the ILP with every r = 0; beside it, for each group, the
-relaxation with its r = 1, a bound on every plan that checkpoints the group. A group
-whose bound is not below the first plan's objective (within the gap) stays at 0; where
-one group is left, the ILP with its r = 1 and the others 0 is the second branch, and the
-better plan of the two is kept; where two or more are left, the ILP is solved whole. Each
-branch is exact for its r, so the optimum is the whole ILP's. Llama-3-8B in bf16 mixed
-precision over (2, 4), H100, where the budget binds (three cuts): the round with the cuts
-took 43.0 s solved whole, 17.6 s in branches (the relaxation at r = 1, 579.3 ms, is above
-the r = 0 plan's 487.5 ms: no layer is checkpointed); planned in 40 s instead of 64 s.
+time closing that. Each branch fixes every r; its relaxation bounds its plans. With one
+group (the layers of a folded model), the relaxations at r = 0 and at r = 1, solved beside
+each other, order the two branches: the ILP of the lower is solved, and the other's only
+where its bound is below that plan's objective (within the gap); the better plan is kept.
+With several, the ILP with every r = 0 is solved first; beside it, for each group, the
+relaxation with its r = 1 (the others free), a bound on every plan that checkpoints the
+group. A group whose bound is not below the first plan's objective stays at 0; where one
+group is left, the ILP with its r = 1 and the others 0 is the second branch; where two or
+more are left, the ILP is solved whole. Each branch is exact for its r, so the optimum is
+the whole ILP's. Llama-3-8B in bf16 mixed precision over (2, 4), H100, where the budget
+binds (three cuts): the round with the cuts took 43.0 s solved whole, 17.6 s in branches
+(the relaxation at r = 1, 579.3 ms, is above the r = 0 plan's 487.5 ms: no layer is
+checkpointed); planned in 40 s instead of 64 s. Where checkpointing pays, the order saves
+the other ILP: the (2, 2) GPT of tests/distributed/test_training (2 layers, float64, CPU
+profile, half of one device's step memory) has r = 0's relaxation at 1774.0 us, above the
+r = 1 plan's 1689.4 us, and the round took 7.8 s instead of 18.8 s with r = 0 solved first
+(a bf16 one, tests/distributed/test_mixed_precision: 1246.0 against 1117.1 us, 18.0 s
+instead of 33.6 s).
 
 Mixed precision (``StrategySpace.reduce_at``, from passes/trace): a parameter's gradient
 reaches it through a cast from the compute dtype; ``reduce_dtype`` says on which side of
@@ -1829,12 +1838,16 @@ def _by_checkpointing(
     mip_gap: float,
 ) -> tuple[int, tuple[list[float], float, float] | None] | None:
     """The ILP ``model`` solved as branches on its fold groups' checkpointing flags r
-    (``flags``: their indices; "Checkpointing", module docstring): first with every r = 0;
-    beside it (``BESIDE_SOLVERS``), for each r, the relaxation with that r = 1, which
-    bounds every plan that checkpoints its group. A group whose bound is not below the
-    first branch's plan (within ``mip_gap``) is not checkpointed; where one group is left,
-    the ILP with its r = 1 and the others 0 is the second branch, and the better plan of
-    the two is the ILP's. ``(status, held)`` as ``_solve_copy`` gives them, the best bound
+    (``flags``: their indices; "Checkpointing", module docstring), each branch an ILP with
+    every r fixed. A relaxation bounds each branch: with one group, the relaxations at r = 0
+    and at r = 1 (solved beside each other, ``BESIDE_SOLVERS``) order the two branches, and
+    the ILP of the lower is solved first; the other's is solved only where its bound is
+    below that plan's objective (within ``mip_gap``), and the better plan of the two is the
+    ILP's. With several groups, the ILP with every r = 0 is solved first, and beside it,
+    for each group, the relaxation with its r = 1 (the others free), a bound on every plan
+    that checkpoints the group; a group whose bound is not below the first plan's objective
+    is not checkpointed; where one group is left, the ILP with its r = 1 and the others 0
+    is the second branch. ``(status, held)`` as ``_solve_copy`` gives them, the best bound
     the least of the branches'; None where there is no r, or two groups or more are left
     (the ILP is solved whole). The branches' ILPs are solved without trying their
     relaxation first: under memory cuts it is seldom integral."""
@@ -1845,44 +1858,59 @@ def _by_checkpointing(
     def left() -> float:
         return max(deadline - time.perf_counter(), 1.0)
 
-    none = _fixed(model, dict.fromkeys(flags, 0.0))
-    ones: list[float] = []
+    def branch(ones: Collection[int]) -> tuple[int, tuple[list[float], float, float] | None]:
+        """The ILP with the flags of ``ones`` at 1 and the others at 0."""
+        fixed = _fixed(model, {i: float(i in ones) for i in flags})
+        return _solve_copy(fixed, solver, left(), mip_gap, relax_first=False)
 
-    def bound_ones() -> None:
-        ones.extend(_relaxation(_fixed(model, {i: 1.0}), solver, left())[2] for i in flags)
+    def bound(values: Mapping[int, float]) -> float:
+        return _relaxation(_fixed(model, values), solver, left())[2]
 
-    def first() -> tuple[int, tuple[list[float], float, float] | None]:
-        return _solve_copy(none, solver, left(), mip_gap, relax_first=False)
+    def both(run: Callable[[], Any], meanwhile: Callable[[], Any]) -> Any:
+        """``run()``, with ``meanwhile()`` beside it where the solver allows (else after)."""
+        if solver.upper() in BESIDE_SOLVERS:
+            return _beside(run, meanwhile)
+        out = run()
+        meanwhile()
+        return out
 
-    if solver.upper() in BESIDE_SOLVERS:
-        status, held = _beside(first, bound_ones)
+    # (the ones at 1 of each branch not solved first, and its bound)
+    rest: list[tuple[tuple[int, ...], float]] = []
+    if len(flags) == 1:
+        (flag,) = flags
+        zero: list[float] = []
+        one = both(lambda: bound({flag: 1.0}), lambda: zero.append(bound({flag: 0.0})))
+        # the lower bound first (r = 0 where they tie); a branch without a plan is +inf
+        (first, _), other = sorted([((), zero[0]), ((flag,), one)], key=lambda b: b[1])
+        rest.append(other)
+        status, held = branch(first)
     else:
-        status, held = first()
-        bound_ones()
+        ones: list[float] = []
+        status, held = both(lambda: branch(()), lambda: ones.extend(bound({i: 1.0}) for i in flags))
+        rest += [((i,), b) for i, b in zip(flags, ones)]
     if held is None and status != pywraplp.Solver.INFEASIBLE:
         return status, None  # (the clock stopped it with no plan in hand)
     best = math.inf if held is None else held[1]
     cutoff = best if math.isinf(best) else best - mip_gap * abs(best)
-    bounds = [math.inf if held is None else held[2]]  # each branch's, or a left-out group's
-    left_open = [(i, b) for i, b in zip(flags, ones) if b < cutoff]
-    bounds += [b for b in ones if b >= cutoff]
+    bounds = [math.inf if held is None else held[2]]  # each branch's, or a left-out one's
+    left_open = [(o, b) for o, b in rest if b < cutoff]
+    bounds += [b for _, b in rest if b >= cutoff]
     if len(left_open) > 1:
         return None
     if not left_open:
         if held is None:
             return pywraplp.Solver.INFEASIBLE, None
         return status, (held[0], held[1], min(bounds))
-    ((i, bound),) = left_open
-    one = _fixed(model, {j: float(j == i) for j in flags})
-    status1, held1 = _solve_copy(one, solver, left(), mip_gap, relax_first=False)
+    ((second, open_bound),) = left_open
+    status1, held1 = branch(second)
     if held1 is not None:
         bounds.append(held1[2])
     elif status1 != pywraplp.Solver.INFEASIBLE:
-        bounds.append(bound)  # (stopped by the clock: its relaxation bounds it)
+        bounds.append(open_bound)  # (stopped by the clock: its relaxation bounds it)
     plans = [h for h in (held, held1) if h is not None]
     if not plans:
-        both = status == status1 == pywraplp.Solver.INFEASIBLE
-        return (pywraplp.Solver.INFEASIBLE if both else status1), None
+        both_infeasible = status == status1 == pywraplp.Solver.INFEASIBLE
+        return (pywraplp.Solver.INFEASIBLE if both_infeasible else status1), None
     values, value, _ = min(plans, key=lambda h: h[1])
     exact = {status, status1} <= {pywraplp.Solver.OPTIMAL, pywraplp.Solver.INFEASIBLE}
     status = pywraplp.Solver.OPTIMAL if exact else pywraplp.Solver.FEASIBLE
