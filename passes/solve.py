@@ -221,10 +221,11 @@ group. A group whose bound is not below the first plan's objective stays at 0; w
 group is left, the ILP with its r = 1 and the others 0 is the second branch; where two or
 more are left, the ILP is solved whole. Each branch is exact for its r, so the optimum is
 the whole ILP's. Llama-3-8B in bf16 mixed precision over (2, 4), H100, where the budget
-binds (three cuts): the round with the cuts took 43.0 s solved whole, 17.6 s in branches
-(the relaxation at r = 1, 579.3 ms, is above the r = 0 plan's 487.5 ms: no layer is
-checkpointed); planned in 40 s instead of 64 s. Where checkpointing pays, the order saves
-the other ILP: the (2, 2) GPT of tests/distributed/test_training (2 layers, float64, CPU
+binds (three cuts): the round with the cuts took 43.0 s solved whole, 20.0 s in branches
+(the relaxations, 2.5 s, put r = 0 first: 487.0 against 579.3 ms; r = 1's bound is above
+the r = 0 plan's 487.5 ms, and no layer is checkpointed); 17.6 s when r = 0 was solved
+first with r = 1's relaxation beside it, and nothing before it. Where checkpointing pays,
+the order saves the other ILP: the (2, 2) GPT of tests/distributed/test_training (2 layers, float64, CPU
 profile, half of one device's step memory) has r = 0's relaxation at 1774.0 us, above the
 r = 1 plan's 1689.4 us, and the round took 7.8 s instead of 18.8 s with r = 0 solved first
 (a bf16 one, tests/distributed/test_mixed_precision: 1246.0 against 1117.1 us, 18.0 s
