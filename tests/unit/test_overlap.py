@@ -347,7 +347,7 @@ def test_rounds_solved_beside_give_the_plan_solved_in_place(monkeypatch, integra
     import autopar.passes.solve as solve_pass
 
     if not integral:
-        monkeypatch.setattr(solve_pass, "_relaxed", lambda *a: None)
+        monkeypatch.setattr(solve_pass, "_relaxed", lambda *a, **k: None)
     mesh, model, tokens, kw = _middle_on_four_nodes()
     kw["constraints"] = {"input:0": "S(0)"}
     taken = []

@@ -288,15 +288,44 @@ def test_an_integral_relaxation_is_the_ilps_optimum_and_a_fractional_one_is_not_
     assert solve_pass._relaxed(_binary_model(1.5, (2.0, 1.0)), "HIGHS", 10.0) is None
 
 
+def test_the_relaxation_runs_presolve_only_where_the_ilp_has_memory_cuts(monkeypatch):
+    # passes/solve ``_relax_presolve``: HiGHS's presolve is skipped before the relaxation
+    # of an ILP without cuts (it cost more than it spared), kept where cuts bound memory
+    space = _space(batch=4096, hidden=1024, ffn=4096, data_parallel=True)
+    calls = []
+    real = solve_pass._relaxation
+
+    def relaxation(model, *args, presolve=True, **kwargs):
+        calls.append((len(model.constraint), presolve))
+        return real(model, *args, presolve=presolve, **kwargs)
+
+    monkeypatch.setattr(solve_pass, "_relaxation", relaxation)
+    free = solve(space)
+    assert calls and not any(presolve for _, presolve in calls)
+    calls.clear()
+    budget = 0.75 * free.stats["peak_bytes"]
+    tight = solve(space, memory_budget=budget)
+    # the first round has no cut; the rounds after it add them, and presolve with them
+    assert not calls[0][1] and calls[-1][1] and calls[-1][0] > calls[0][0]
+    monkeypatch.setattr(solve_pass, "_relaxation", real)
+    # the plans are the ILP's either way
+    assert free.choice == solve(space, mip_gap=0.0).choice
+    assert tight.objective_s == pytest.approx(
+        solve(space, memory_budget=budget, mip_gap=0.0).objective_s
+    )
+
+
 def test_the_search_takes_the_relaxation_where_it_is_integral_and_the_ilp_elsewhere(monkeypatch):
     space = _space(batch=64, hidden=1024, ffn=4096, data_parallel=False)
     exact = solve(space)
     taken = []
     real = solve_pass._relaxed
-    monkeypatch.setattr(solve_pass, "_relaxed", lambda *a: taken.append(real(*a)) or taken[-1])
+    monkeypatch.setattr(
+        solve_pass, "_relaxed", lambda *a, **k: taken.append(real(*a, **k)) or taken[-1]
+    )
     assert solve(space).choice == exact.choice and taken and taken[-1] is not None
     # with no relaxation taken, the ILP itself gives the same plan
-    monkeypatch.setattr(solve_pass, "_relaxed", lambda *a: None)
+    monkeypatch.setattr(solve_pass, "_relaxed", lambda *a, **k: None)
     again = solve(space)
     assert again.choice == exact.choice
     assert again.objective_s == pytest.approx(exact.objective_s, rel=1e-9)
