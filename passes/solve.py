@@ -225,11 +225,11 @@ binds (three cuts): the round with the cuts took 43.0 s solved whole, 20.0 s in 
 (the relaxations, 2.5 s, put r = 0 first: 487.0 against 579.3 ms; r = 1's bound is above
 the r = 0 plan's 487.5 ms, and no layer is checkpointed); 17.6 s when r = 0 was solved
 first with r = 1's relaxation beside it, and nothing before it. Where checkpointing pays,
-the order saves the other ILP: the (2, 2) GPT of tests/distributed/test_training (2 layers, float64, CPU
-profile, half of one device's step memory) has r = 0's relaxation at 1774.0 us, above the
-r = 1 plan's 1689.4 us, and the round took 7.8 s instead of 18.8 s with r = 0 solved first
-(a bf16 one, tests/distributed/test_mixed_precision: 1246.0 against 1117.1 us, 18.0 s
-instead of 33.6 s).
+the order saves the other ILP: the (2, 2) GPT of tests/distributed/test_training (2
+layers, float64, CPU profile, half of one device's step memory) has r = 0's relaxation at
+1774.0 us, above the r = 1 plan's 1689.4 us, and the round took 7.8 s instead of 18.8 s
+with r = 0 solved first (a bf16 one, tests/distributed/test_mixed_precision: 1246.0
+against 1117.1 us, 18.0 s instead of 33.6 s).
 
 Mixed precision (``StrategySpace.reduce_at``, from passes/trace): a parameter's gradient
 reaches it through a cast from the compute dtype; ``reduce_dtype`` says on which side of
@@ -1750,8 +1750,8 @@ def _relax_presolve(ilp: IlpBuilder) -> bool:
     GPTs) solved in 0.012-0.56 s without it against 0.022-1.28 s with it, to the same
     objective and an integral solution each time; Llama-3-8B's search over (8, 8) (bf16,
     traced once) took 4.9-5.5 s instead of 7.8-8.4 s, the same plan. With cuts it is kept:
-    the relaxations of GPT-3's and the tests' cut rounds took 1.5-2.3 times as long
-    without it."""
+    the relaxations of GPT-3's and the tests' cut rounds took 1.4-2.4 times as long
+    without it (Llama-3-8B's over (2, 4) took less, 0.79-2.22 s against 1.59-2.35 s)."""
     return bool(ilp.cuts)
 
 
