@@ -1904,7 +1904,7 @@ def _by_checkpointing(
         meanwhile()
         return out
 
-    # (the ones at 1 of each branch not solved first, and its bound)
+    # the branches not solved first: the flags each sets to 1, and its relaxation's bound
     rest: list[tuple[tuple[int, ...], float]] = []
     if len(flags) == 1:
         (flag,) = flags
