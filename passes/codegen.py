@@ -47,9 +47,10 @@ plan's order, passes/order), and
 At the graph outputs the loss is redistributed to Replicate, each gradient to its
 parameter's placement. Nothing is done when the plan replicates everything (the local graph
 is then the global graph, plus nothing). A view to the shape its input already has is
-replaced by its input (``drop_identity_views``): DTensor's dispatch leaves one around most
-ops it runs on local shards, a call of the step that the plan has no node for and the cost
-model does not price.
+replaced by its input (``drop_identity_views``): a redistribution or DTensor's dispatch
+may leave one, a call of the step that the plan has no node for and the cost model does
+not price. (``_run_op`` wraps and unwraps local shards without the views that
+``DTensor.from_local`` and ``to_local`` make.)
 
 The gradients the plan buckets (passes/buckets) are reduced earlier: right after the node
 that makes a bucket's last gradient, its members are flattened into one tensor and
@@ -643,14 +644,16 @@ class _Localizer(torch.fx.Interpreter):
         def wrap(v):
             if isinstance(v, torch.Tensor):
                 ps, val = next(it)
-                return DTensor.from_local(
-                    v,
-                    self.dmesh,
-                    ps,
-                    run_check=False,
-                    shape=val.shape,
-                    stride=contiguous_stride(val.shape),
-                )
+                # NOTE: DTensor's own constructor is private (its docstring), as in
+                # runtime/parallel_module._as_grad. ``DTensor.from_local`` makes the same
+                # DTensor through an autograd Function that views its input (and
+                # ``to_local`` with grad on views its output), and the trace records every
+                # view: 602 on test_training's GPT at (2, 2), half of the ops traced, and 18
+                # survived into the compiled backward. Without them, building that local
+                # graph took 0.41-0.60 s against 0.79-1.19 s. The trace needs no autograd:
+                # the graph is the joint one. tests/unit/test_torch_internals.py checks the
+                # two agree.
+                return DTensor(v, _spec(self.dmesh, ps, val), requires_grad=False)
             return v
 
         dargs, dkwargs = tree_map(wrap, (args, kwargs))
@@ -662,7 +665,8 @@ class _Localizer(torch.fx.Interpreter):
         for o, want, meta in zip(outs, out_ps, metas):
             if isinstance(o, DTensor):
                 got = tuple(o.placements)
-                t = o.to_local()
+                with torch.no_grad():  # the local tensor itself, not a view (wrap's note)
+                    t = o.to_local()
                 if want is not None and got != want:
                     self.mismatches.append(f"{node.name}: {got} vs planned {want}")
                     t = self._redistribute(t, got, want, meta)
@@ -731,14 +735,16 @@ _VIEWS = (_aten.view.default, _aten._unsafe_view.default)
 def drop_identity_views(gm: torch.fx.GraphModule) -> int:
     """Replace each view to the shape its input already has by its input; returns how many.
 
-    DTensor's dispatch, run on local shards (``_run_op``, ``_redistribute``), leaves such
-    views around the ops it turns local: 935 of the 1,024 views of the zoo Llama's local
-    graphs on 2 ranks, where a 45% memory budget has the plan split its layers (1,553
-    nodes; 634 without them). Each is a call of the generated code and a dispatch that the
-    plan has no node for and the cost model does not price: that gloo step took 33-34 ms
-    with them and 26-29 ms without. A view keeps its input's strides when the shape is
-    the same, so its input serves every reader. Kept: a view the graph outputs
-    (aot_autograd tracks an output's aliasing of an input), and one an op mutates."""
+    A redistribution (``_redistribute``) or DTensor's dispatch on local shards
+    (``_run_op``) may leave one: 9, 18 and 25 on the zoo's hf-llama, bert and hf-gpt2 at
+    (2, 2) with half a device. (Most of them came from ``DTensor.from_local`` and
+    ``to_local``, which ``_run_op`` no longer calls: 935 of the 1,024 views of the zoo
+    Llama's local graphs on 2 ranks, and that gloo step took 33-34 ms with them and
+    26-29 ms without.) Each is a call of the generated code and a dispatch that the plan
+    has no node for and the cost model does not price. A view keeps its input's strides
+    when the shape is the same, so its input serves every reader. Kept: a view the graph
+    outputs (aot_autograd tracks an output's aliasing of an input), and one an op
+    mutates."""
     dropped = 0
     for n in list(gm.graph.nodes):
         if n.op != "call_function" or n.target not in _VIEWS:

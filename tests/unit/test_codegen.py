@@ -1,7 +1,7 @@
 """Codegen on a two-matmul model: the collectives the local graph emits, and their count;
 on a small GPT planned as FSDP for a GPU, where the CUDA emission places its gradient
-buckets' waits and its reshards issued ahead; and on a small GPT planned as Megatron, the
-views to a tensor's own shape that DTensor's dispatch leaves, dropped from the local graph;
+buckets' waits and its reshards issued ahead; and on a small GPT planned as Megatron, no
+view to a tensor's own shape left in the local graph;
 and the step's own buffers (a class weight the loss holds or closes over, a model's plain
 tensor attribute), fed by the runtime beside the model's.
 
@@ -331,9 +331,11 @@ def _identity_views(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
 
 
 def test_split_layers_emit_no_view_to_a_tensors_own_shape(tp_mesh, monkeypatch):
-    """DTensor's dispatch on local shards leaves views to the shape a tensor already has
-    around the ops it runs; the emitted step runs none of them (each is a call of the
-    generated code that the plan does not have)."""
+    """The local graph runs no view to the shape a tensor already has (each is a call of
+    the generated code that the plan does not have): ``_run_op`` wraps and unwraps the
+    local shards without the views ``DTensor.from_local`` and ``to_local`` make (91 of
+    this trace's 639 ops with them, 13 left in the emitted graph where it outputs them),
+    and ``drop_identity_views`` drops what a redistribution leaves."""
     model, tokens, targets = _small_gpt()
     mesh = autopar.Mesh((2,), ("tp",))
     with warnings.catch_warnings():
@@ -344,7 +346,7 @@ def test_split_layers_emit_no_view_to_a_tensors_own_shape(tp_mesh, monkeypatch):
         )  # fmt: skip
     graphs = {}
     for drop in (True, False):
-        if not drop:  # as DTensor traced it
+        if not drop:  # as traced
             monkeypatch.setattr(codegen, "drop_identity_views", lambda gm: 0)
         with contextlib.ExitStack() as stack:
             step = trace_step(
@@ -354,7 +356,7 @@ def test_split_layers_emit_no_view_to_a_tensors_own_shape(tp_mesh, monkeypatch):
             graphs[drop] = build_local_graph(step, plan, tp_mesh).gm
     traced, emitted = graphs[False], graphs[True]
     made = len(_identity_views(traced))
-    assert made >= 50  # the premise: DTensor made them
+    assert made < 10, made
     kept = _identity_views(emitted)
     assert all(any(u.op == "output" for u in n.users) for n in kept)
     ops = [n for n in traced.graph.nodes if n.op == "call_function"]

@@ -228,3 +228,29 @@ def test_dtensor_spec_and_constructor_the_runtime_wraps_gradients_with(fake_worl
             ref.dtype,
         )
         assert torch.equal(g.to_local(), ref.to_local())
+
+
+def test_dtensor_constructor_codegen_wraps_local_shards_with(fake_world):
+    # passes/codegen._Localizer._run_op wraps each local input with DTensor's own constructor
+    # and its spec (codegen._spec), and reads each output's local tensor under no_grad; it
+    # must be what DTensor.from_local makes, without from_local's view of its input
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+
+    from autopar.passes.codegen import _spec
+
+    mesh = init_device_mesh("cpu", (2, 2))
+    local = torch.randn(3, 4)
+    whole = torch.empty(6, 4)  # the global value the plan's node holds
+    ps = (Shard(0), Replicate())
+    made = DTensor(local, _spec(mesh, ps, whole), requires_grad=False)
+    ref = DTensor.from_local(local, mesh, ps, run_check=False, shape=(6, 4), stride=(4, 1))
+    assert (made.placements, made.shape, made.stride(), made.dtype) == (
+        ref.placements,
+        ref.shape,
+        ref.stride(),
+        ref.dtype,
+    )
+    with torch.no_grad():
+        assert made.to_local() is local  # the tensor itself, no view to trace
+    assert torch.equal((made * 2).to_local(), (ref * 2).to_local())
