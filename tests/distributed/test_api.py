@@ -135,3 +135,26 @@ def test_a_rank_that_dies_without_a_word_is_an_error_at_once():
     with pytest.raises(RuntimeError, match="rank 1 of 2 failed:\nprocess exited with code 3"):
         run_local(_dies_on_rank_1, 2)
     assert time.monotonic() - t0 < 25  # not the sleeping rank's 30 s, nor the 900 s timeout
+
+
+def _what_a_rank_sees(rank, world):
+    import os
+
+    return os.getppid(), os.environ.get("AUTOPAR_LAUNCH_TEST")
+
+
+@pytest.mark.distributed
+def test_ranks_fork_from_one_server_and_see_the_callers_environment(monkeypatch):
+    import os
+
+    monkeypatch.setenv("AUTOPAR_LAUNCH_TEST", "first")
+    first = run_local(_what_a_rank_sees, 2)
+    # a variable set after the fork server started reaches the ranks of the next call
+    monkeypatch.setenv("AUTOPAR_LAUNCH_TEST", "second")
+    second = run_local(_what_a_rank_sees, 2)
+    assert [v for _, v in first] == ["first"] * 2
+    assert [v for _, v in second] == ["second"] * 2
+    # every rank is a child of one server, which outlives a call, not of this process (as
+    # a spawned rank is)
+    servers = {ppid for ppid, _ in first + second}
+    assert len(servers) == 1 and os.getpid() not in servers
