@@ -102,8 +102,7 @@ def _rank(rank, world, reduce_dtype):
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     "reduce_dtype",
-    # NOTE: the bf16 reduction takes ~50 s more of CI's 2 cores: run with -m slow
-    [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.slow)],
+    [torch.float32, torch.bfloat16],
 )
 def test_bf16_compute_from_float32_parameters_matches_one_device(reduce_dtype):
     r = run_local(_rank, 4, reduce_dtype)[0]
