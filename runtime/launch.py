@@ -9,14 +9,16 @@ process that died without reporting, its exit code, within ``_POLL_S``). A rank 
 without a word is named before the ranks that then failed (they lost their peer), and the
 other processes are terminated: a failure never waits for a timeout.
 
-The processes are forked from multiprocessing's fork server (where the platform has one,
-else spawned), which imports autopar and the module that defines ``fn`` once, when the
-first ``run_local`` starts it. A spawned process imports torch and autopar on its own
-(~3.5 s of CPU each), and ends with the interpreter's teardown (~1 s more, and the gloo
-race where a group's threads outlive it). On a 2-core machine, 4 ranks that return at
-once took 7.8-9.8 s from spawn to exit, against 0.11-0.13 s forked (3.4 s for the first
-call, which starts the server); tests/distributed took 455 s against 850 s (with
-passes/codegen's wrapping of local shards without views, measured beside it).
+The gloo processes are forked from multiprocessing's fork server (where the platform has
+one), which imports autopar and the module that defines ``fn`` once, when the first
+``run_local`` starts it. A spawned process imports torch and autopar on its own (~3.5 s
+of CPU each), and ends with the interpreter's teardown (~1 s more, and the gloo race
+where a group's threads outlive it). On a 2-core machine, 4 ranks that return at once
+took 7.8-9.8 s from spawn to exit, against 0.11-0.13 s forked (3.4 s for the first call,
+which starts the server); tests/distributed took 455 s against 850 s (with
+passes/codegen's wrapping of local shards without views, measured beside it). NCCL
+ranks are spawned: a module that touches CUDA when it is imported would leave the
+server's forks unable to use it.
 
 A forked process runs ``fn`` with the caller's environment as it is at this call (the
 server's is the one the first call had); variables that torch reads when it is imported
@@ -48,9 +50,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _context(fn):
-    """The fork server's context, preloading autopar and ``fn``'s module (else spawn)."""
-    if "forkserver" not in mp.get_all_start_methods():
+def _context(fn, backend: str):
+    """The fork server's context, preloading autopar and ``fn``'s module; spawn for NCCL
+    ranks, and where the platform has no fork server."""
+    if backend == "nccl" or "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     # (read when the server starts, at the first call; a later call's module is imported
@@ -81,7 +84,7 @@ def _worker(rank, world_size, port, fn, args, queue, backend="gloo", env=None):
 
 def run_local(fn, world_size: int, *args, timeout_s: float = 900.0, backend: str = "gloo"):
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` gloo (or nccl) processes."""
-    ctx = _context(fn)
+    ctx = _context(fn, backend)
     queue = ctx.Queue()
     port = free_port()
     env = dict(os.environ)

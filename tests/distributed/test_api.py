@@ -158,3 +158,11 @@ def test_ranks_fork_from_one_server_and_see_the_callers_environment(monkeypatch)
     # a spawned rank is)
     servers = {ppid for ppid, _ in first + second}
     assert len(servers) == 1 and os.getpid() not in servers
+
+
+def test_nccl_ranks_are_spawned_not_forked():
+    # a module that touches CUDA when imported would leave the server's forks without it
+    from autopar.runtime.launch import _context
+
+    assert _context(_what_a_rank_sees, "nccl").get_start_method() == "spawn"
+    assert _context(_what_a_rank_sees, "gloo").get_start_method() == "forkserver"
