@@ -62,10 +62,10 @@ def _context(fn, backend: str):
     return ctx
 
 
-def _worker(rank, world_size, port, fn, args, queue, backend="gloo", env=None):
-    if env is not None:  # the caller's environment, not the one the fork server started with
-        os.environ.clear()
-        os.environ.update(env)
+def _worker(rank, world_size, port, fn, args, queue, backend, env):
+    # the caller's environment, not the one the fork server started with
+    os.environ.clear()
+    os.environ.update(env)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
