@@ -97,7 +97,7 @@ import torch.nn.functional as F
 from torch._dynamo.backends.debugging import boxed_nop
 from torch._functorch._aot_autograd.subclass_utils import create_subclass_meta
 from torch._functorch.aot_autograd import aot_compile_joint_with_descriptors
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._redistribute import redistribute_local_tensor
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -153,12 +153,26 @@ _NEW_FACTORIES = {_aten.new_zeros, _aten.new_ones, _aten.new_empty, _aten.new_fu
 _SDPA = torch.ops.autopar.sdpa.default
 
 
-def _spec(dmesh, placements, val) -> DTensorSpec:
+def _spec(dmesh, placements, val, shape=None) -> DTensorSpec:
+    """The spec of ``val`` placed ``placements`` (of global ``shape``, where given)."""
+    shape = val.shape if shape is None else torch.Size(shape)
     return DTensorSpec(
-        dmesh,
-        tuple(placements),
-        tensor_meta=TensorMeta(val.shape, contiguous_stride(val.shape), val.dtype),
+        dmesh, tuple(placements), tensor_meta=TensorMeta(shape, contiguous_stride(shape), val.dtype)
     )
+
+
+def _permuted(placements, inverse: list[int]):
+    """``placements`` of a tensor whose dim d is dim ``inverse[d]`` after a permute (None
+    where one of them is not a plain ``Shard``, ``Replicate`` or ``Partial``)."""
+    out = []
+    for p in placements:
+        if type(p) is Shard:
+            out.append(Shard(inverse[p.dim]))
+        elif p.is_replicate() or p.is_partial():
+            out.append(p)
+        else:
+            return None
+    return tuple(out)
 
 
 class _Rows:
@@ -385,9 +399,26 @@ class _Localizer(torch.fx.Interpreter):
         axes = hierarchical_axes(src_ps, dst_ps)
         if axes is not None and edge is not None and self._orig(edge) in self.tiered:
             return ops.in_layout_of(self._hierarchical(t, *axes), val)
-        out = redistribute_local_tensor(
-            t.contiguous(), _spec(self.dmesh, src_ps, val), _spec(self.dmesh, dst_ps, val)
-        )
+        order = ops.memory_order(t)
+        inverse = [order.index(d) for d in range(t.dim())]
+        src_in, dst_in = _permuted(src_ps, inverse), _permuted(dst_ps, inverse)
+        moved = order != list(range(t.dim())) and src_in is not None and dst_in is not None
+        if moved and t.permute(order).is_contiguous():
+            # a permutation of a dense tensor (a transposed weight): redistributed in the
+            # order its elements lie in memory, so that the collective's input is the
+            # source itself and its output is in the source's layout (not a contiguous
+            # copy before it and a copy back to the layout after it: two more buffers of
+            # the result's size, which passes/memory does not count)
+            shape = [val.shape[d] for d in order]
+            out = redistribute_local_tensor(
+                t.permute(order),
+                _spec(self.dmesh, src_in, val, shape),
+                _spec(self.dmesh, dst_in, val, shape),
+            ).permute(inverse)
+        else:
+            out = redistribute_local_tensor(
+                t.contiguous(), _spec(self.dmesh, src_ps, val), _spec(self.dmesh, dst_ps, val)
+            )
         # a collective writes a contiguous tensor; the graph's views may need the layout the
         # value has in the global graph (a transposed key gradient, viewed back to the
         # projection's [B, S, K * D])

@@ -82,6 +82,7 @@ __all__ = [
     "key_blocks",
     "lse_dtype",
     "mask_cols",
+    "memory_order",
     "merge_partial",
     "sdpa",
     "sdpa_backward",
@@ -97,16 +98,19 @@ def lse_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
+def memory_order(x: Tensor) -> list[int]:
+    """``x``'s dims from the outermost in memory to the innermost (by stride; ties in dim
+    order): ``x.permute(memory_order(x))`` is contiguous where ``x`` is a permutation of a
+    contiguous tensor (a transposed weight)."""
+    strides = x.stride()
+    return sorted(range(x.dim()), key=lambda d: (-strides[d], d))
+
+
 def in_layout_of(t: Tensor, like: Tensor) -> Tensor:
     """``t`` with its dims laid out in memory in the order of ``like``'s (a copy only where
     the orders differ): what a kernel returns must match the layout its fake promised."""
-
-    def order(x: Tensor) -> list[int]:
-        strides = x.stride()
-        return sorted(range(x.dim()), key=lambda d: (-strides[d], d))
-
-    want = order(like)
-    if order(t) == want:
+    want = memory_order(like)
+    if memory_order(t) == want:
         return t
     inverse = [want.index(d) for d in range(like.dim())]
     return t.permute(want).contiguous().permute(inverse)
