@@ -20,7 +20,13 @@ passes/order chose, ``plan.order``):
     live(s, i)   = first(s) <= i <= last(s): from the node that makes storage s to the last
                    node that uses any tensor on it (graph outputs: to the end of the step)
     redistribution of tensor input j of node i from p to q != p:
-                   a collective buffer of size(q), live at node i only
+                   collective buffers of reshard(p, q) bytes, live at node i only:
+                   size(q), and for a gather along a dim that is not the outermost
+                   in memory, size(q) more (the collective gathers along the outermost;
+                   its result is then copied along the dim; a reduce-scatter along one:
+                   its input laid out first). DTensor's steps one mesh axis at a time;
+                   codegen redistributes a permuted tensor in its memory order
+                   (``StrategySpace.layouts``), others made contiguous
     bytes(i)     = sum_{s live at i} size(s, P) + collective buffers of node i
                    + optimizer state
     bytes(out)   = one more point after the last node, where the step returns: what
@@ -33,6 +39,25 @@ passes/order chose, ``plan.order``):
 
 bytes(i) is linear in the choice of placements (each term depends on one node's output
 placement or one edge's pair of placements), which is what lets the ILP bound it.
+
+Reshards into a view. A view (or an in-place op, or a ``getitem``: any node whose output
+is on its first input's storage) whose first input is redistributed views the collective's
+result, not its input's storage. So, where p != q on that edge:
+
+    the buffer     size(q) lives on from the view to the last node that reads the view or
+                   a view of it (graph outputs: to the end) (``Liveness.viewed``)
+    the storage s  viewed: a read of s through a chain of views none of whose inputs is
+                   redistributed keeps s alive, a read through any other chain does not
+                   (``Storage.views``: s's last point is the latest of its direct reads
+                   and the chains left whole)
+
+This is exact for a given plan (``measure``; passes/order states the same on sets of
+nodes). The storage's term is not linear in the edges (it is live through a chain while
+no edge of the chain redistributes); the ILP bounds it (passes/solve, ``_held_var``): one
+variable h per storage read past some point through one chain alone,
+h >= size(s) - M * (the chain's redistributing pairs), exact at integer points, and
+before that point it is counted whatever is chosen (an overestimate where the other
+chains are cut too).
 
 Checkpointing (passes/remat): ``liveness(space, recompute)`` holds the step in which any of
 the layers ``recompute`` lists may be checkpointed. Its points are the nodes and, before a
@@ -79,6 +104,9 @@ there; the first's peak, plus the optimizer state's change and every one of them
 is at least the other's peak (the solver's overlap rounds check their plans' budget so).
 
 What it leaves out: the allocator's rounding and fragmentation, and kernels' own workspace.
+It overcounts a node that redistributes an input read there for the last time: the step
+frees that input after its collective, before the node's outputs are made, where the model
+counts both at the node (memory_check's gpt on (2, 2): 3% over).
 Where it can be off: the emitted step runs aot_autograd's partitioned forward and backward
 (``default_partition``: it saves what the backward reads, and keeps the joint graph's order
 of each part); benchmarks/memory_check.py measures by how much. Mixed precision needs nothing
@@ -102,7 +130,7 @@ from autopar.core import Plan, Recompute, Sink, StrategySpace, local_shape, pars
 from autopar.core.schedule import bucket_site, edge_ends, step_points
 
 from .layout import arena
-from .remat import COPY, storage_map
+from .remat import COPY, storage_map, view_inputs, views_through
 
 __all__ = [
     "CATEGORIES",
@@ -110,6 +138,7 @@ __all__ = [
     "MemoryReport",
     "OPTIMIZERS",
     "Storage",
+    "ViewReshard",
     "bucketed",
     "held_inputs",
     "liveness",
@@ -117,8 +146,11 @@ __all__ = [
     "measure",
     "plan_placements",
     "prefetched",
+    "reshard_bytes",
+    "resharder",
     "simulate",
     "state_bytes_per_element",
+    "view_held",
 ]
 
 CATEGORIES = (
@@ -146,6 +178,63 @@ def local_bytes(shape, dtype: torch.dtype, ps: Placements | None, mesh_shape) ->
     return math.prod(shape) * dtype.itemsize
 
 
+def reshard_bytes(
+    shape,
+    dtype: torch.dtype,
+    p: Placements,
+    q: Placements,
+    mesh_shape,
+    layout: Sequence[int] | None = None,
+) -> int:
+    """The most bytes one rank holds at once while a tensor of global ``shape`` is
+    redistributed from ``p`` to ``q``, its source left out (module docstring,
+    ``reshard(p, q)``): DTensor's steps, one mesh axis at a time in mesh order; during a
+    step, the step before's result (freed after it) and the step's own buffers: its result,
+    and beside it, for a gather along a dim that is not the outermost in memory (``layout``:
+    the dims from the outermost, ``StrategySpace.layouts``; None: in their own order; codegen
+    redistributes a permuted tensor in its memory order), the gathered buffer (the
+    collective gathers along the outermost; the result is its copy laid out along the dim),
+    and for a reduce-scatter along one, its input laid out along the outermost. At least
+    the result, ``size(q)``."""
+
+    def inner(dim: int) -> bool:
+        return (dim if layout is None else list(layout).index(dim)) != 0
+
+    cur = list(p)
+    held = most = 0  # (the step before's result; the first step's input is the source)
+    for a, (src, dst) in enumerate(zip(p, q)):
+        if src == dst:
+            continue
+        before = local_bytes(shape, dtype, tuple(cur), mesh_shape)
+        cur[a] = dst
+        after = local_bytes(shape, dtype, tuple(cur), mesh_shape)
+        work = after
+        if src.is_shard() and dst.is_replicate() and inner(src.dim):
+            work = 2 * after  # the gathered buffer and its copy along the dim
+        elif src.is_partial() and dst.is_shard() and inner(dst.dim):
+            work = before + after  # the input laid out along the outermost dim, the result
+        most = max(most, held + work)
+        held = after
+    return max(most, local_bytes(shape, dtype, q, mesh_shape))
+
+
+def resharder(
+    mesh_shape,
+) -> Callable[[tuple, torch.dtype, Placements, Placements, tuple | None], int]:
+    """``reshard_bytes`` on ``mesh_shape``, each (shape, p, q, layout) once per pair of
+    placements objects (kept beside, as ``sizer`` keeps its own)."""
+    made: dict[tuple, tuple] = {}
+
+    def nbytes(shape: tuple, dtype: torch.dtype, p: Placements, q: Placements, layout) -> int:
+        k = (shape, dtype, id(p), id(q), layout)
+        got = made.get(k)
+        if got is None:
+            got = made[k] = (p, q, reshard_bytes(shape, dtype, p, q, mesh_shape, layout))
+        return got[2]
+
+    return nbytes
+
+
 def sizer(mesh_shape) -> Callable[[tuple, torch.dtype, Placements | None], int]:
     """``local_bytes`` on ``mesh_shape``, each shape sized once per placements object: a
     deep step's layers share theirs (a fold group's strategies, a plan's parsed texts).
@@ -169,7 +258,13 @@ class Storage:
     index ``first`` to ``last`` (inclusive), of global ``shape`` and ``dtype``.
     ``counted`` is False for a storage counted elsewhere (a tied parameter's later names).
     ``when``: ``(group, checkpointed)``: live only when that fold group's checkpointing
-    (passes/remat) is ``checkpointed`` (None: always)."""
+    (passes/remat) is ``checkpointed`` (None: always). ``views``: ``(chain, last)`` of
+    each chain of views through which it is read (``chain``: the view read, the view it
+    views, ..., up to a view of this storage) later than anything reads it directly (to
+    point ``last``); ``base``: the last point it is read directly (or made). A reshard
+    into a view's input makes that view, and the views of it, read a buffer of their
+    own: the storage lives to ``last`` only through the chains none of whose views has
+    its input redistributed ("Reshards into a view"); ``last`` is the latest of all."""
 
     owner: str
     out: int
@@ -180,10 +275,30 @@ class Storage:
     category: str
     counted: bool = True
     when: tuple[str, bool] | None = None
+    views: tuple[tuple[tuple[str, ...], int], ...] = ()
+    base: int = -1
 
     def counts(self, recompute: Collection[str]) -> bool:
         """Live in the step whose checkpointed groups are ``recompute``."""
         return self.when is None or (self.when[0] in recompute) == self.when[1]
+
+    def until(self, resharded: Callable[[str], bool]) -> int:
+        """Its last point, where ``resharded(view)`` tells which views have their input
+        redistributed."""
+        if not self.views:
+            return self.last
+        kept = (b for chain, b in self.views if not any(map(resharded, chain)))
+        return max([self.base, *kept])
+
+    def held_by(self) -> tuple[tuple[str, ...], int] | None:
+        """``(chain, after)``: where one chain of views alone reads it after point
+        ``after`` (the ILP's bound: live past ``after`` only when none of the chain's
+        views has its input redistributed; until then, whatever is chosen)."""
+        if not self.views:
+            return None
+        ordered = sorted(self.views, key=lambda cb: cb[1])
+        after = max(self.base, ordered[-2][1] if len(ordered) > 1 else -1)
+        return (ordered[-1][0], after) if ordered[-1][1] > after else None
 
     def nbytes(self, ps: Placements | None, mesh_shape) -> int:
         """Bytes one rank holds of this storage when its owner's output is placed ``ps``."""
@@ -222,6 +337,9 @@ class Liveness:
     prefetched: dict[tuple[str, str], int] = field(default_factory=dict)
     """``(producer, consumer)`` of a reshard issued early -> the point whose end issues it
     (passes/prefetch)."""
+    viewed: list[ViewReshard] = field(default_factory=list)
+    """What a redistribution into each view's first input holds after the view runs
+    ("Reshards into a view")."""
 
     OUTPUT = "output"
     """The name of the last point, ``len(order)``: where the step returns (``bytes(out)``)."""
@@ -229,7 +347,9 @@ class Liveness:
     _inputs: list[tuple[int, str, int, str, int, str | None]] | None = field(
         default=None, init=False, repr=False, compare=False
     )
-    _touching: tuple[dict, dict] | None = field(default=None, init=False, repr=False, compare=False)
+    _touching: tuple[dict, dict, dict] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
 
     def tensor_inputs(self) -> list[tuple[int, str, int, str, int, str | None]]:
         """``(i, node, j, producer, output, group)`` of each tensor input j of each point i
@@ -242,26 +362,39 @@ class Liveness:
     def touching(
         self,
     ) -> tuple[
-        dict[str, list[Storage]], dict[str, list[tuple[int, str, int, str, int, str | None]]]
+        dict[str, list[Storage]],
+        dict[str, list[tuple[int, str, int, str, int, str | None]]],
+        dict[str, list[ViewReshard]],
     ]:
-        """Each node's storages (by owner), and the tensor inputs it reads or feeds
-        (``tensor_inputs``' entries, by consumer and by producer): made once, read by
-        ``peak_bound``."""
+        """Each node's storages (by owner), the tensor inputs it reads or feeds
+        (``tensor_inputs``' entries, by consumer and by producer), and the ``viewed``
+        entries it runs or feeds: made once, read by ``peak_bound``."""
         if self._touching is None:
             owned: dict[str, list[Storage]] = defaultdict(list)
             for s in self.storages:
                 owned[s.owner].append(s)
+                for v in {v for chain, _ in s.views for v in chain}:
+                    owned[v].append(s)  # (its life: by whether v's input is redistributed)
+                    owned[view_inputs(self.space)[v][0]].append(s)
             reads: dict[str, list] = defaultdict(list)
             for entry in self.tensor_inputs():
                 reads[entry[1]].append(entry)
                 if entry[3] != entry[1]:
                     reads[entry[3]].append(entry)
-            self._touching = (dict(owned), dict(reads))
+            viewed: dict[str, list[ViewReshard]] = defaultdict(list)
+            for h in self.viewed:
+                viewed[h.node].append(h)
+                viewed[h.src].append(h)
+            self._touching = (dict(owned), dict(reads), dict(viewed))
         return self._touching
 
     def live_at(self, i: int) -> list[Storage]:
         """The storages live at point ``i`` (``len(order)``: the step's return)."""
         return [s for s in self.storages if s.first <= i <= s.last]
+
+    def viewed_at(self, i: int) -> list[ViewReshard]:
+        """The ``viewed`` entries that hold their buffer at point ``i``."""
+        return [h for h in self.viewed if h.first <= i <= h.last]
 
     def point_name(self, i: int) -> str:
         return self.order[i] if i < len(self.order) else self.OUTPUT
@@ -383,7 +516,7 @@ def liveness(
     storages: list[Storage] = []
     for key in base.life:
         if key in outs:
-            storages.extend(base.storages_of(space, key, outs[key]))
+            storages.extend(base.storages_of(space, key, outs[key], output=True))
         else:
             storages.extend(base.kept(space, key))
     lv = Liveness(
@@ -397,6 +530,7 @@ def liveness(
         early=issue_at,
         held={pos: point_of.get(node, end) for pos, node in held.items()},
         prefetched={e: point_of[node] for e, node in prefetched.items() if node in point_of},
+        viewed=base.viewed,
     )
     lv._inputs = base.tensor_inputs(space)  # (the order's: the same under any buckets)
     return lv
@@ -443,6 +577,24 @@ class _LifeBase:
         params: list[str] = []
 
         tangents: set[tuple[str, int]] = set()
+        views = view_inputs(space)
+        # a view's point -> condition -> the last point that reads it or a view of it
+        # ("Reshards into a view"; a copy's views: their copies')
+        through: dict[str, dict] = defaultdict(dict)
+
+        def mark(src: str, i: int, when=None, copied: str | None = None) -> None:
+            for v in views_through(views, src):
+                at = through[COPY + v if copied is not None and unit.get(v) == copied else v]
+                at[when] = max(at.get(when, -1), i)
+
+        # storage key -> the chain of views it is read through (empty: directly) -> the
+        # last point
+        via: dict[tuple[str, int], dict[tuple[str, ...], int]] = defaultdict(dict)
+
+        def through_view(key, src: str, i: int) -> None:
+            chain = tuple(views_through(views, src))
+            at = via[key]
+            at[chain] = max(at.get(chain, -1), i)
 
         def read(key, i: int, when=None) -> None:
             if key not in life:  # (an output that is not a tensor has no storage)
@@ -480,11 +632,16 @@ class _LifeBase:
                         read((COPY + key[0], key[1]), i, (g, True))
                     else:
                         read(key, i, (g, True))
+                    mark(src, i, (g, True), g)
                 elif role == roles.BACKWARD and src in unit:  # the original, or its copy
                     read(key, i, (unit[src], False))
                     read((COPY + key[0], key[1]), i, (unit[src], True))
+                    mark(src, i, (unit[src], False))
+                    mark(src, i, (unit[src], True), unit[src])
                 else:
                     read(key, i)
+                    mark(src, i)
+                    through_view(key, src, i)
             if g is None:
                 made = [(name, idx) for idx in range(len(space.shapes[name]))]
             else:
@@ -499,11 +656,15 @@ class _LifeBase:
                 if g is not None:
                     category = "recomputed"
                 life[key] = [i, i, category]
+        for sink in space.sinks:  # (a graph output: to the end, even where bucketed)
+            mark(sink.src, len(points))
+        self.viewed = _view_reshards(space, points, node_at, unit_at, views, through)
         # (not the space: kept in ``space.derived``, this would make it a cycle, which only
         # the garbage collector frees, with all the space holds)
         self.points, self.node_at, self.unit_at = points, node_at, unit_at
         self.point_of = {p: i for i, p in enumerate(points)}
         self.life, self.cond_last, self.params, self.groups = life, cond_last, params, dict(groups)
+        self.via = via
         self.moved = moved
         self._kept: dict[tuple[str, int], list[Storage]] = {}
         self._inputs: list[tuple[int, str, int, str, int, str | None]] | None = None
@@ -524,9 +685,12 @@ class _LifeBase:
             made = self._kept[key] = self.storages_of(space, key, self.life[key])
         return made
 
-    def storages_of(self, space: StrategySpace, key: tuple[str, int], life: list) -> list[Storage]:
-        """The storages of ``key`` living ``life`` (``[first, last, category]``): one, or
-        one per checkpointing condition under which it is read later ("Checkpointing")."""
+    def storages_of(
+        self, space: StrategySpace, key: tuple[str, int], life: list, output: bool = False
+    ) -> list[Storage]:
+        """The storages of ``key`` living ``life`` (``[first, last, category]``; ``output``:
+        a graph output's): one, or one per checkpointing condition under which it is read
+        later ("Checkpointing")."""
         node_at, unit_at, end = self.node_at, self.unit_at, len(self.points)
         first, last, category = life
         copy = key[0].startswith(COPY)
@@ -554,7 +718,70 @@ class _LifeBase:
             # read under several conditions (two layers' copies read it): counted live to
             # the latest of them whatever is chosen (an overestimate)
             base, later = replace(base, last=max(later.values())), {}
+        elif not conds and category not in _WHOLE and space.targets[owner] != "placeholder":
+            # read through views: how long depends on which of them read a buffer of their
+            # own (``Storage.views``; not where it is a graph output, or read under a
+            # checkpointing condition: the latest read counts, an overestimate)
+            reads = self.via.get(key, {})
+            rest = max(first, reads.get((), first))
+            views = tuple((c, b) for c, b in reads.items() if c and b > rest)
+            if views and not output:
+                base = replace(base, views=views, base=rest)
         return [base, *(replace(base, first=last + 1, last=b, when=c) for c, b in later.items())]
+
+
+@dataclass(frozen=True, slots=True)
+class ViewReshard:
+    """A redistribution into a view's first input (the view at point ``at``, node ``node``,
+    reading output ``out`` of ``src``) whose buffer the view's storage then is: held from
+    ``first`` to ``last`` (the points after ``at`` up to the last read of the view or a
+    view of it), when ``when`` holds (``Storage.when``); ``category`` at the peak."""
+
+    at: int
+    node: str
+    src: str
+    out: int
+    first: int
+    last: int
+    category: str
+    when: tuple[str, bool] | None = None
+
+
+def _view_reshards(
+    space: StrategySpace,
+    points: list[str],
+    node_at: list[str],
+    unit_at: list[str | None],
+    views: Mapping[str, tuple[str, int]],
+    through: Mapping[str, dict],
+) -> list[ViewReshard]:
+    """The ``ViewReshard`` of each point that runs a view (``through``: each view's point
+    -> condition -> the last point that reads it through views)."""
+    end = len(points)
+    found = []
+    for i, (point, name) in enumerate(zip(points, node_at)):
+        if name not in views:
+            continue
+        src, so = views[name]
+        g = unit_at[i]
+        own = None if g is None else (g, True)
+        conds = dict(through.get(point, {}))
+        last = max(i, conds.pop(own, i))
+        later = {c: b for c, b in conds.items() if b > last}
+        if len(later) > 1:  # (as ``storages_of``: live to the latest, an overestimate)
+            last, later = max(later.values()), {}
+        held = [(i + 1, last, own)] if last > i else []
+        held += [(last + 1, b, c) for c, b in later.items()]
+        for first, to, when in held:
+            saved = to < end and space.roles[node_at[to]] == roles.BACKWARD
+            saved = saved and space.roles[name] != roles.BACKWARD
+            category = "activations" if saved else "collective_buffers"
+            found.append(ViewReshard(i, name, src, so, first, to, category, when))
+    return found
+
+
+_WHOLE = ("parameters", "inputs", "gradients")
+"""Categories that live through the step's end whatever reads them."""
 
 
 def _life_base(space: StrategySpace, recompute: Sequence[Recompute], order) -> _LifeBase:
@@ -627,9 +854,9 @@ def peak_bound(
         raise ValueError("peak_bound: a step with buckets (measure it)")
     space = lv.space
     mesh_shape = tuple(space.mesh.shape)
-    nbytes = sizer(mesh_shape)
+    nbytes, reshard = sizer(mesh_shape), resharder(mesh_shape)
     params = set(lv.params)
-    owned, reads = lv.touching()
+    owned, reads, viewed = lv.touching()
     grow = 0
 
     def stored(s: Storage, out_ps: OutPlacement) -> tuple[int, int]:
@@ -644,7 +871,10 @@ def peak_bound(
         if p is None or q is None or p is q or tuple(p) == tuple(q):
             return 0
         shape, dtype = space.tensor(src, so)
-        return nbytes(tuple(shape), dtype, q)
+        return reshard(tuple(shape), dtype, p, q, space.layouts.get((src, so)))
+
+    def until(s: Storage, out_ps: OutPlacement, in_ps: InPlacement) -> int:
+        return s.until(_resharded_view(space, out_ps, in_ps))
 
     storages = {id(s): s for n in changed for s in owned.get(n, ())}
     for s in storages.values():
@@ -652,11 +882,17 @@ def peak_bound(
             continue
         (was, was_opt), (now, now_opt) = stored(s, before[0]), stored(s, after[0])
         grow += max(0, now - was) + now_opt - was_opt  # (the optimizer's at every point)
+        if s.views and until(s, *after) > until(s, *before):
+            grow += min(now, was)  # (live at points it was not: all of ``now`` there)
     entries = {(e[0], e[2]): e for n in changed for e in reads.get(n, ())}
     for e in entries.values():
         if e[5] is not None and e[5] not in recompute:  # (a copy not in this step)
             continue
         grow += max(0, resharded(e, *after) - resharded(e, *before))
+    for h in {id(h): h for n in changed for h in viewed.get(n, ())}.values():
+        if h.when is not None and (h.when[0] in recompute) != h.when[1]:
+            continue
+        grow += max(0, view_held(lv, h, *after, nbytes) - view_held(lv, h, *before, nbytes))
 
     # the graph outputs whose node or parameter changed (the others' bytes are the same
     # under both), all at the step's return
@@ -671,6 +907,29 @@ def peak_bound(
 
     grow += max(0, outputs(after[0]) - outputs(before[0]))
     return peak_bytes + grow
+
+
+def _differ(p: Placements | None, q: Placements | None) -> bool:
+    """Placements ``p`` redistributed to ``q``."""
+    return p is not None and q is not None and p is not q and tuple(p) != tuple(q)
+
+
+def _resharded_view(
+    space: StrategySpace, out_ps: OutPlacement, in_ps: InPlacement
+) -> Callable[[str], bool]:
+    """Whether a view's input is redistributed into it."""
+    views = view_inputs(space)
+    return lambda view: _differ(out_ps(*views[view]), in_ps(view, 0))
+
+
+def view_held(lv: Liveness, h: ViewReshard, out_ps: OutPlacement, in_ps: InPlacement, nbytes):
+    """The bytes ``h`` holds under the placements ``out_ps`` / ``in_ps`` (``nbytes``: a
+    ``sizer``): the source's size as the view reads it, where that is redistributed."""
+    q = in_ps(h.node, 0)
+    if not _differ(None if q is None else out_ps(h.src, h.out), q):
+        return 0
+    shape, dtype = lv.space.tensor(h.src, h.out)
+    return nbytes(tuple(shape), dtype, q)
 
 
 def measure(
@@ -695,7 +954,8 @@ def measure(
     opt = 0
     param_set = set(lv.params)
     blocks: list[tuple[int, int, int]] = []  # (first, last, size): passes/layout
-    nbytes = sizer(mesh_shape)
+    nbytes, reshard = sizer(mesh_shape), resharder(mesh_shape)
+    resharded = _resharded_view(space, out_ps, in_ps)
 
     for s in lv.storages:
         when = s.when  # (``Storage.counts``, inline: a deep step has ~30,000 storages)
@@ -703,12 +963,13 @@ def measure(
             continue
         ps = out_ps(s.owner, s.out)
         size = nbytes(s.shape, s.dtype, ps) if s.counted else 0
+        last = s.last if not s.views else s.until(resharded)
         if layout:
-            blocks.append((s.first, min(s.last, n - 1), size))
+            blocks.append((s.first, min(last, n - 1), size))
         d = delta[s.category]
         d[s.first] += size
-        if s.last + 1 <= n:
-            d[s.last + 1] -= size
+        if last + 1 <= n:
+            d[last + 1] -= size
         if s.owner in param_set:
             opt += optimizer_bytes(s, ps, mesh_shape, optimizer)
     for src, so, target, category in output_redistributions(lv, out_ps):
@@ -757,13 +1018,27 @@ def measure(
             continue
         shape, dtype = space.tensor(src, so)
         size = nbytes(tuple(shape), dtype, q)
+        # what the redistribution holds beyond its result while it runs, at its issue
+        extra = reshard(tuple(shape), dtype, p, q, space.layouts.get((src, so))) - size
         first = i
         if lv.order[i] == name:  # (not a copy) issued ahead: held from its issue on
             first = min(i, lv.prefetched.get((src, name), i - 1) + 1)
-        buffers[first] += size
+        buffers[first] += size + extra
+        buffers[first + 1] -= extra
         buffers[i + 1] -= size
         if layout:
             blocks.append((first, i, size))
+            if extra:
+                blocks.append((first, first, extra))
+    for h in lv.viewed:  # (its buffer at the view itself: the reshard's, above)
+        if h.when is not None and (h.when[0] in recompute) != h.when[1]:
+            continue
+        size = view_held(lv, h, out_ps, in_ps, nbytes)
+        if size:
+            delta[h.category][h.first] += size
+            delta[h.category][h.last + 1] -= size
+            if layout:
+                blocks.append((h.first, h.last, size))
     copies = any(g is not None for g in lv.unit_at)  # (none: every point is shown)
     shown = [i for i in range(n) if lv.shown(i, recompute)] if copies else list(range(n))
     every = len(shown) == n

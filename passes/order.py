@@ -18,6 +18,10 @@ of a set ``D`` closed under dependencies have run, the bytes live are
     during(D, v) = live(D) + size of what v makes (and of a tangent v reads first)
                    + v's collective buffers
 
+Where the plan redistributes into a view's first input (passes/memory, "Reshards into a
+view"), the view makes a storage (the collective's result) read by whoever reads through
+the view, and a reader that reaches the viewed storage only through such views is not
+one of its readers: readers and sizes both come from the plan, and the rest holds as is.
 live(D) is a function of the set D alone, not of the order it ran in. An order
 ``v_1 .. v_n`` has peak ``max_k during({v_1..v_k-1}, v_k)``: exactly passes/memory's
 ``bytes(i)`` at every node (the point after the return adds the same bytes to every order
@@ -88,6 +92,7 @@ import functools
 import heapq
 import math
 import warnings
+from collections import defaultdict
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
@@ -95,8 +100,8 @@ import torch
 
 from autopar.core import Plan, StrategySpace, roles
 
-from .memory import plan_placements, sizer
-from .remat import storage_map
+from .memory import plan_placements, resharder, sizer
+from .remat import COPY, storage_map, view_inputs, views_through
 
 __all__ = ["Ordering", "apply", "mutates_or_draws", "order_step", "prepare", "ready_nodes"]
 
@@ -254,6 +259,16 @@ class _Graph:
                 self.pinned.add(out)
         # each node's tensor inputs: (input index, source, output), for its reshards
         self.inputs: list[list[tuple[int, str, int]]] = [[] for _ in range(n)]
+        # a reshard into a view's first input (passes/memory, "Reshards into a view"):
+        # its buffer is the view's storage, read by whoever reads the view or a view of
+        # it (``through``: the views each node reads through; ``through_readers``: who
+        # reads through each view); the storage it views is then read through that view
+        # no more (``paths``: of each storage made here that nothing pins, each reader's
+        # way in: through which view of it, -1 directly)
+        views = view_inputs(space)
+        self.viewed = [(pos[v], (COPY + v, -1), *views[v]) for v in order if v in views]
+        self.through: list[list[int]] = [[] for _ in range(n)]
+        paths: dict[tuple, dict[int, set[int]]] = defaultdict(lambda: defaultdict(set))
         for name in order:
             i = pos[name]
             for j, (src, so) in enumerate(space.in_sources[name]):
@@ -261,6 +276,25 @@ class _Graph:
                 if read is not None:
                     readers[read].add(i)
                 self.inputs[i].append((j, src, so))
+                chain = [pos[v] for v in views_through(views, src)]
+                for v in chain:
+                    if v not in self.through[i]:
+                        self.through[i].append(v)
+                if read is not None and read[0] in pos and read not in self.pinned:
+                    paths[read][i].add(chain[-1] if chain else -1)
+        self.through_readers: dict[int, list[int]] = defaultdict(list)
+        for i in range(n):
+            for v in self.through[i]:
+                self.through_readers[v].append(i)
+        # (through views only: the others stay as they are under every plan)
+        self.paths = {
+            key: dict(ways)
+            for key, ways in paths.items()
+            if any(-1 not in w for w in ways.values())
+        }
+        self.through_pinned = {
+            pos[v] for sink in space.sinks for v in views_through(views, sink.src)
+        }
         self.reads: list[list[tuple]] = [[] for _ in range(n)]
         self.readers: dict[tuple, list[int]] = {}
         for key, rs in readers.items():
@@ -307,6 +341,7 @@ class _Problem:
         out_ps, in_ps = plan_placements(plan)
         nbytes = sizer(mesh_shape)  # (plan_placements: one tuple per placement text)
 
+        reshard = resharder(mesh_shape)
         self.size: dict[tuple, int] = {
             key: nbytes(shape, dtype, out_ps(*key)) if counted else 0
             for key, shape, dtype, counted in g.storages
@@ -329,14 +364,61 @@ class _Problem:
                 p, q = out_ps(src, so), in_ps(g.names[i], j)
                 if p is not None and q is not None and tuple(p) != tuple(q):
                     shape, dtype = space.tensor(src, so)
-                    self.transient[i] += nbytes(tuple(shape), dtype, q)
-        self.new = [sum(self.size[k] for k in g.makes[i]) for i in range(n)]
+                    layout = space.layouts.get((src, so))
+                    self.transient[i] += reshard(tuple(shape), dtype, p, q, layout)
+        self.reader_count, self.readers = g.reader_count, g.readers
+        self._reshard_views(out_ps, in_ps, nbytes)
+        self.new = [sum(self.size[k] for k in self.makes[i]) for i in range(n)]
         # the bytes live before the first node: what the parameters and inputs hold
         self.base = sum(self.size[key] for key in g.outside)
         # what only the search reads (``searchable``)
         self.neutral: list[bool] = []
         self.searched_mask = 0
         self.readers_searched: dict[tuple, int] = {}
+
+    def _reshard_views(self, out_ps, in_ps, nbytes) -> None:
+        """The plan's reshards into views' first inputs: each view makes its buffer (not a
+        transient one as well), read by whoever reads through the view; a reader of the
+        storage it views that reads it only through such views reads it no more. The
+        graph's lists are copied where they change."""
+        g, space = self.graph, self.space
+        on: dict[int, tuple] = {}
+        for i, key, src, so in g.viewed:
+            p, q = out_ps(src, so), in_ps(g.names[i], 0)
+            if p is not None and q is not None and p is not q and tuple(p) != tuple(q):
+                shape, dtype = space.tensor(src, so)
+                on[i] = (key, nbytes(tuple(shape), dtype, q))
+        if not on:
+            return
+        reads, makes, touched = list(self.reads), list(self.makes), set()
+        readers, count = dict(self.readers), dict(self.reader_count)
+        self.pinned = set(self.pinned)
+        for i, (key, held) in on.items():
+            self.size[key] = held
+            self.transient[i] -= held
+            makes[i] = [*makes[i], key]
+            readers[key] = g.through_readers.get(i, [])
+            count[key] = len(readers[key])
+            for r in readers[key]:
+                reads[r] = [*reads[r], key]
+            touched.update(readers[key])
+            touched.add(i)
+            if i in g.through_pinned:
+                self.pinned.add(key)
+        for key, paths in g.paths.items():
+            gone = {r for r, ways in paths.items() if all(w in on for w in ways)}
+            if gone:
+                readers[key] = [r for r in readers[key] if r not in gone]
+                count[key] = len(readers[key])
+                for r in gone:
+                    reads[r] = [k for k in reads[r] if k != key]
+                touched |= gone
+        touch, tangent_reads = list(self.touch), list(self.tangent_reads)
+        for i in touched:
+            touch[i] = list(dict.fromkeys(reads[i] + makes[i]))
+            tangent_reads[i] = [k for k in reads[i] if k in self.tangents]
+        self.reads, self.makes, self.touch, self.tangent_reads = reads, makes, touch, tangent_reads
+        self.readers, self.reader_count = readers, count
 
     def searchable(self) -> None:
         """Make what the search reads: the neutral nodes (they change no live byte: views,
@@ -349,7 +431,7 @@ class _Problem:
         self.searched_mask = _mask(self.neutral)
         neutral = self.neutral
         self.readers_searched = {}
-        for key, rs in g.readers.items():
+        for key, rs in self.readers.items():
             m = 0
             for r in rs:
                 if not neutral[r]:
@@ -358,15 +440,16 @@ class _Problem:
 
     # -- the model ---------------------------------------------------------------------
 
-    def sweep(self, seq: Sequence[int]) -> tuple[int, int]:
+    def sweep(self, seq: Sequence[int], during_each: list[int] | None = None) -> tuple[int, int]:
         """(peak, live(forward)) running the whole step in the order ``seq`` (a topological
         order of every node that runs the forward first; each storage freed once its last
         reader has run: counted down, the bytes ``step`` gives with every node a reader).
         live(forward), the bytes held into the backward, is the same in every such order
         ("Bound"); -1 where the traced order does not run the forward first, or there is
-        no backward."""
-        left = dict(self.graph.reader_count)
-        count, size, new, transient = self.graph.reader_count, self.size, self.new, self.transient
+        no backward. ``during_each``: where given, each node's bytes during it are added
+        to it, in the order run."""
+        left = dict(self.reader_count)
+        count, size, new, transient = self.reader_count, self.size, self.new, self.transient
         tangent_reads, reads, touch, pinned = (
             self.tangent_reads, self.reads, self.touch, self.pinned
         )  # fmt: skip
@@ -382,6 +465,8 @@ class _Problem:
             during = live + made + transient[i]
             if during > peak:
                 peak = during
+            if during_each is not None:
+                during_each.append(during)
             for key in reads[i]:
                 left[key] -= 1
             live += made
@@ -491,6 +576,7 @@ def _make_units(g: _Graph, neutral: list[bool]) -> _Units:
             not neutral[i]
             and not g.mutates[i]
             and all(k in g.pinned for k in g.reads[i])
+            and all(neutral[v] for v in g.through[i])  # (not a view's reshard buffer)
             and all(neutral[a] or source[a] for a in g.preds[i])
         )
 

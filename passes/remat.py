@@ -43,14 +43,24 @@ from __future__ import annotations
 import functools
 import operator
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
 from autopar.core import Recompute, StrategySpace, roles
 from autopar.core.schedule import COPY  # the name of a copy's point in the step
 
-__all__ = ["COPY", "Recompute", "apply", "candidates", "checkpointed", "is_alias", "storage_map"]
+__all__ = [
+    "COPY",
+    "Recompute",
+    "apply",
+    "candidates",
+    "checkpointed",
+    "is_alias",
+    "storage_map",
+    "view_inputs",
+    "views_through",
+]
 
 
 @functools.cache
@@ -91,6 +101,34 @@ def _storage_map(space: StrategySpace) -> dict[tuple[str, int], tuple[str, int]]
             if sd is not None:
                 storage_of[(name, idx)] = (name, idx)
     return storage_of
+
+
+def view_inputs(space: StrategySpace) -> dict[str, tuple[str, int]]:
+    """Node -> its first tensor input (producer, output), of each node whose output is on
+    that input's storage (``storage_map``: a view, an in-place op, a ``getitem``). A
+    redistribution into such a node's first input makes a buffer its output then lives on
+    (passes/memory, "Reshards into a view"). Made once per space."""
+    made = space.derived.get("view_inputs")
+    if made is None:
+        storage_of = storage_map(space)
+        made = space.derived["view_inputs"] = {
+            name: ins[0]
+            for name in space.order
+            if (ins := space.in_sources[name])
+            and space.targets[name] != "placeholder"
+            and (name, 0) in storage_of
+            and storage_of[(name, 0)] != (name, 0)
+            and storage_of.get(ins[0]) == storage_of[(name, 0)]
+        }
+    return made
+
+
+def views_through(views: dict[str, tuple[str, int]], src: str) -> Iterator[str]:
+    """The views a read of ``src``'s output reads through: ``src``, the node it views, and
+    so on, while each is a view (``view_inputs``)."""
+    while src in views:
+        yield src
+        src = views[src][0]
 
 
 def _random(target) -> bool:

@@ -391,11 +391,13 @@ from . import remat, rules, vocab
 from .memory import (
     Liveness,
     MemoryReport,
+    Storage,
     liveness,
     local_bytes,
     measure,
     optimizer_bytes,
     peak_bound,
+    reshard_bytes,
     state_bytes_per_element,
 )
 from .order import ready_nodes
@@ -930,6 +932,8 @@ class IlpBuilder:
         self.pair_cost: dict[Any, float] = {}
         # fold group -> (r, t, its recompute time: node part, edge part) ("Checkpointing")
         self.remat: dict[str, tuple[Any, Any, dict, dict]] = {}
+        # (storage, output, chain of views) -> its h (``_held_var``)
+        self.viewed_held: dict[tuple, Any] = {}
         self._active: dict | None = None
         self.var_index: dict = {}  # variable -> its index in the model, where read
         # a solution kept by ``hold`` (variable index -> value; objective, best bound),
@@ -1235,7 +1239,11 @@ class IlpBuilder:
         A live storage made by node v's output o adds size(o under strategy k) to x[r(v),k]
         (once per instance: folded, the representative's variables gather every instance's
         bytes); a parameter adds its optimizer state the same way; a tensor input of node i
-        redistributed from p to q adds size(q) to its edge's e[u,p,v,q]; at the return
+        redistributed from p to q adds its buffers (``reshard_bytes``) to its edge's
+        e[u,p,v,q], and into a view's first input, size(q) at every point its buffer is
+        the view's storage (``Liveness.viewed``); a storage that one view alone reads
+        past a point (``Storage.held_by``) adds size(p) there to the pairs of that view's
+        edge that keep p (redistributed, the view reads its own buffer); at the return
         (``i == len(lv.order)``), each graph output that leaves with q != p adds size(q) to
         its sink's pair (a fixed target: to the producer's x). What lives only when a fold
         group is, or is not, checkpointed goes through that group's r ("Checkpointing")."""
@@ -1248,6 +1256,14 @@ class IlpBuilder:
         for s in lv.live_at(i):
             r = rep(s.owner)
             into = coef if s.when is None else cond[s.when]
+            held = s.held_by()
+            if held is not None and i > held[1]:
+                # read past here through one chain of views alone: live only where none
+                # of them has its input redistributed
+                a = self._held_var(s, held[0])
+                if a is not None:
+                    into[a] += 1.0
+                    continue
             top = 0.0
             for k, st in enumerate(space.strategies[r]):
                 ps = st.out[s.out]
@@ -1260,6 +1276,16 @@ class IlpBuilder:
                         into[v] += b / _MIB
             if s.when is not None:
                 most[s.when] += top
+        for h in lv.viewed_at(i):  # a reshard into a view, held as the view's storage
+            into = coef if h.when is None else cond[h.when]
+            shape, dtype = space.tensor(h.src, h.out)
+            sizes = [0.0]
+            for ev, p, q in self.pairs.get((rep(h.src), h.out, rep(h.node), 0), ()):
+                if p != q:
+                    sizes.append(local_bytes(shape, dtype, q, mesh_shape) / _MIB)
+                    into[ev] += sizes[-1]
+            if h.when is not None:
+                most[h.when] += max(sizes)
         if i == len(lv.order):  # the return: each output redistributed to where it leaves
             for src, so, pairs, count in self.sink_pairs:
                 shape, dtype = space.tensor(src, so)
@@ -1272,10 +1298,12 @@ class IlpBuilder:
             into = coef if g is None else cond[(g, True)]
             for j, src, so in lv.reshard_inputs(i):
                 shape, dtype = space.tensor(src, so)
+                layout = space.layouts.get((src, so))
                 sizes = [0.0]
                 for ev, p, q in self.pairs.get((rep(src), so, rep(name), j), ()):
                     if p != q:
-                        sizes.append(local_bytes(shape, dtype, q, mesh_shape) / _MIB)
+                        b = reshard_bytes(shape, dtype, p, q, mesh_shape, layout)
+                        sizes.append(b / _MIB)
                         into[ev] += sizes[-1]
                 if g is not None:
                     most[(g, True)] += max(sizes)
@@ -1301,6 +1329,37 @@ class IlpBuilder:
                 self.lp.Add(a <= big * r)
                 coef[a] -= 1.0
         return coef
+
+    def _held_var(self, s: Storage, chain: tuple[str, ...]):
+        """h >= size(s under x) - M * (the pairs that redistribute into any view of
+        ``chain``), h >= 0, in MiB: storage ``s``'s bytes where it is read through
+        ``chain`` alone (passes/memory, ``Storage.held_by``); the memory rows' h is as
+        small as they let it be. None where no view of the chain may be redistributed."""
+        key = (s.owner, s.out, chain)
+        if key in self.viewed_held:
+            return self.viewed_held[key]
+        rep, views = self.folding.rep, remat.view_inputs(self.space)
+        mesh_shape = tuple(self.space.mesh.shape)
+        moved = [
+            ev
+            for v in chain
+            for ev, p, q in self.pairs.get((rep(views[v][0]), views[v][1], rep(v), 0), ())
+            if p != q
+        ]
+        h = None
+        if moved:
+            r = rep(s.owner)
+            sizes = [s.nbytes(st.out[s.out], mesh_shape) / _MIB for st in self.space.strategies[r]]
+            h = self.lp.NumVar(0.0, self.lp.infinity(), "")
+            ct = self.lp.Constraint(0.0, self.lp.infinity())
+            ct.SetCoefficient(h, 1.0)
+            for k, b in enumerate(sizes):
+                for x in self.x[r][k]:
+                    ct.SetCoefficient(x, ct.GetCoefficient(x) - b)
+            for ev in moved:
+                ct.SetCoefficient(ev, ct.GetCoefficient(ev) + max(sizes, default=0.0))
+        self.viewed_held[key] = h
+        return h
 
     def remat_var(self, lv: Liveness, group: str):
         """r of fold group ``group`` ("Checkpointing"): made at its first use, with t >= its

@@ -88,6 +88,7 @@ from autopar.core import (
     divides,
     is_planned,
     is_strided,
+    ops,
     roles,
 )
 
@@ -541,6 +542,12 @@ def build_strategies(
             continue
         sp.order.append(node.name)
         sp.shapes[node.name] = [_shape_of(v) for v in _outputs(node)]
+        for idx, v in enumerate(_outputs(node)):
+            if isinstance(v, torch.Tensor):
+                # (codegen redistributes such a tensor in this order; others contiguous)
+                dims = ops.memory_order(v)
+                if dims != sorted(dims) and v.permute(dims).is_contiguous():
+                    sp.layouts[(node.name, idx)] = tuple(dims)
         sp.roles[node.name] = node.meta.get(roles.META_ROLE, "")
         sp.modules[node.name] = node.meta.get(roles.META_MODULE, "")
         if node.op == "placeholder":

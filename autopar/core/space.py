@@ -169,6 +169,9 @@ class StrategySpace:
             outside every layer are missing.
         region_groups: layer -> the first layer of its fold group (a layer missing here is
             its own group): passes/remat checkpoints a group's layers alike.
+        layouts: (node, output) -> the order its dims lie in memory, outermost first, where
+            that is not their own order (a transposed weight); passes/memory sizes a
+            redistribution's buffers by it.
     """
 
     mesh: Mesh
@@ -194,6 +197,7 @@ class StrategySpace:
     reduce_at: dict[str, str] = field(default_factory=dict)
     regions: dict[str, str] = field(default_factory=dict)
     region_groups: dict[str, str] = field(default_factory=dict)
+    layouts: dict[tuple[str, int], tuple[int, ...]] = field(default_factory=dict)
     derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     """What the passes derive from the step's graph alone (its nodes, targets, edges and
     shapes, which nothing changes once the space is built; pins narrow only the strategy

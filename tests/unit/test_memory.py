@@ -275,3 +275,95 @@ def test_a_peak_bound_from_another_plans_peak_is_at_least_the_plans_peak():
             memory.liveness(space, (), early={space.sinks[-1].position: space.order[-2]}),
             placements(sharded), placements(sharded), [], 0,
         )  # fmt: skip
+
+
+def test_a_gather_along_a_dim_inner_in_memory_holds_its_copy_along_the_dim_too():
+    """``reshard_bytes``: the collective gathers along the dim outermost in memory, so a
+    gather along another also holds the copy that lays it out along its dim (and a
+    transposed tensor, which codegen redistributes in its memory order, the other way
+    round); a reduce-scatter along such a dim holds its input laid out first."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    from autopar.passes.memory import reshard_bytes
+
+    whole = 8 * 4 * 4  # float32 (8, 4)
+    for dim, layout, held in [
+        (0, None, whole),
+        (1, None, 2 * whole),
+        (0, (1, 0), 2 * whole),  # (transposed: dim 1 is the outermost in memory)
+        (1, (1, 0), whole),
+    ]:
+        got = reshard_bytes((8, 4), torch.float32, (Shard(dim),), (Replicate(),), (2,), layout)
+        assert got == held, (dim, layout)
+    assert reshard_bytes((8, 4), torch.float32, (Partial(),), (Shard(1),), (2,)) == whole * 3 // 2
+    assert reshard_bytes((8, 4), torch.float32, (Partial(),), (Shard(0),), (2,)) == whole // 2
+
+
+class _Viewed(torch.nn.Module):
+    """A product viewed into the next one's input: the backward reads the view (the
+    weight's gradient), not the product."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 16, bias=False)
+        self.b = torch.nn.Linear(8, 4, bias=False)
+
+    def forward(self, x):
+        return self.b(self.a(x).view(32, 8))
+
+
+def _squares(y, t):
+    return ((y - t) ** 2).sum()
+
+
+def test_a_reshard_into_a_view_is_the_views_storage_and_frees_what_it_views():
+    """A gather into a view's input: the gathered buffer is what the view, and the
+    backward's read of it, then hold (to the view's last reader), and the product it
+    views is read no more (freed after the view). Measured against the same plan that
+    keeps the product's placement into the view, on the step's every point; passes/order's
+    model of the step gives the same bytes at every node."""
+    import dataclasses
+
+    from autopar.passes import memory
+
+    torch.manual_seed(0)
+    model, x, t = _Viewed(), torch.randn(16, 8), torch.randn(32, 4)
+    mesh = autopar.Mesh((2,), ("dp",), device="cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = autopar.plan(model, mesh, (x,), loss_fn=_squares, example_targets=(t,))
+    with contextlib.ExitStack() as stack:
+        step = trace_step(model, (x,), loss_fn=_squares, example_targets=(t,), stack=stack)
+    space = build_strategies(step, mesh)
+    lv = memory.liveness(space)
+    (h,) = [
+        h
+        for h in lv.viewed
+        if space.targets[h.src] is torch.ops.aten.mm.default and space.roles[h.node] == "forward"
+    ]
+    assert space.roles[lv.order[h.last]] == "backward"  # (the weight gradient's product)
+    product = 16 * 16 * 4
+
+    def placed(into_view: str):
+        nodes = dict(plan.nodes)
+        nodes[h.src] = dataclasses.replace(nodes[h.src], out=(("S(0)",),))
+        nodes[h.node] = dataclasses.replace(nodes[h.node], ins=((into_view,),))
+        return dataclasses.replace(plan, nodes=nodes, collectives=(), order=())
+
+    kept, gathered = placed("S(0)"), placed("R")
+    a, b = (memory.simulate(space, p, optimizer="none") for p in (kept, gathered))
+    assert [n for n, _ in a.timeline] == [n for n, _ in b.timeline] == [*lv.order, "output"]
+    more = [tb - ta for (_, ta), (_, tb) in zip(a.timeline, b.timeline)]
+    for i, d in enumerate(more):
+        if i == h.at:  # the gathered buffer beside the half product
+            assert d == product, i
+        elif h.at < i <= h.last:  # the whole product gathered, not the half
+            assert d == product - product // 2, i
+        else:
+            assert d == 0, i
+    for p, report in ((kept, a), (gathered, b)):
+        problem = order._Problem(space, step.gm, p)
+        each: list[int] = []
+        problem.sweep(range(len(problem.names)), each)
+        want = dict(report.timeline)
+        assert each == [want[n] for n in problem.names]

@@ -138,12 +138,19 @@ def test_schedule_keeps_every_dependency_and_one_thing_per_stream(name, overlap)
         assert seen_recomputed == sum("(recomputed)" in c["edge"] for c in plan.collectives)
 
 
+NOTHING_EARLY = {"gpt-2x2-cpu-mem0.5"}
+"""Golden plans each of whose collectives reads what is made right before its consumer
+(an activation into the next op, or a weight's view run just before its product): issued
+when ready, none starts earlier."""
+
+
 @pytest.mark.parametrize("name", CASES)
 def test_issuing_collectives_when_ready_overlaps_and_never_lengthens(name):
     plan = _golden(name)
     emitted, overlapped = step_length(schedule(plan)), step_length(schedule(plan, overlap=True))
     compute = sum(s.dur_s for s in schedule(plan) if s.stream == COMPUTE)
-    assert compute <= overlapped < emitted
+    assert compute <= overlapped <= emitted
+    assert (overlapped < emitted) == (name not in NOTHING_EARLY)
 
 
 def test_an_edges_collectives_on_two_axes_run_one_after_the_other():
