@@ -127,6 +127,7 @@ __all__ = [
     "compile_local_step",
     "count_collectives",
     "pin_collectives",
+    "redistribute_local",
 ]
 
 
@@ -159,6 +160,33 @@ def _spec(dmesh, placements, val, shape=None) -> DTensorSpec:
     return DTensorSpec(
         dmesh, tuple(placements), tensor_meta=TensorMeta(shape, contiguous_stride(shape), val.dtype)
     )
+
+
+def redistribute_local(t: torch.Tensor, src_ps, dst_ps, val, dmesh) -> torch.Tensor:
+    """This rank's shard ``t`` of the global ``val`` placed ``src_ps``, redistributed to
+    ``dst_ps`` on ``dmesh`` (DTensor's collectives), in ``val``'s layout.
+
+    A permutation of a dense tensor (a transposed weight) is redistributed in the order
+    its elements lie in memory: the collective reads the source itself and its result is
+    in the source's layout. (Made contiguous first and copied back to the layout after, it
+    would hold two more buffers of the result's size, which passes/memory does not
+    count.)"""
+    order = ops.dense_order(t) or list(range(t.dim()))
+    inverse = [order.index(d) for d in range(t.dim())]
+    src_in, dst_in = _permuted(src_ps, inverse), _permuted(dst_ps, inverse)
+    if order != sorted(order) and src_in is not None and dst_in is not None:
+        shape = [val.shape[d] for d in order]
+        out = redistribute_local_tensor(
+            t.permute(order), _spec(dmesh, src_in, val, shape), _spec(dmesh, dst_in, val, shape)
+        ).permute(inverse)
+    else:
+        out = redistribute_local_tensor(
+            t.contiguous(), _spec(dmesh, src_ps, val), _spec(dmesh, dst_ps, val)
+        )
+    # a collective writes a contiguous tensor; the graph's views may need the layout the
+    # value has in the global graph (a transposed key gradient, viewed back to the
+    # projection's [B, S, K * D])
+    return ops.in_layout_of(out, val)
 
 
 def _permuted(placements, inverse: list[int]):
@@ -399,30 +427,7 @@ class _Localizer(torch.fx.Interpreter):
         axes = hierarchical_axes(src_ps, dst_ps)
         if axes is not None and edge is not None and self._orig(edge) in self.tiered:
             return ops.in_layout_of(self._hierarchical(t, *axes), val)
-        order = ops.memory_order(t)
-        inverse = [order.index(d) for d in range(t.dim())]
-        src_in, dst_in = _permuted(src_ps, inverse), _permuted(dst_ps, inverse)
-        moved = order != list(range(t.dim())) and src_in is not None and dst_in is not None
-        if moved and t.permute(order).is_contiguous():
-            # a permutation of a dense tensor (a transposed weight): redistributed in the
-            # order its elements lie in memory, so that the collective's input is the
-            # source itself and its output is in the source's layout (not a contiguous
-            # copy before it and a copy back to the layout after it: two more buffers of
-            # the result's size, which passes/memory does not count)
-            shape = [val.shape[d] for d in order]
-            out = redistribute_local_tensor(
-                t.permute(order),
-                _spec(self.dmesh, src_in, val, shape),
-                _spec(self.dmesh, dst_in, val, shape),
-            ).permute(inverse)
-        else:
-            out = redistribute_local_tensor(
-                t.contiguous(), _spec(self.dmesh, src_ps, val), _spec(self.dmesh, dst_ps, val)
-            )
-        # a collective writes a contiguous tensor; the graph's views may need the layout the
-        # value has in the global graph (a transposed key gradient, viewed back to the
-        # projection's [B, S, K * D])
-        return ops.in_layout_of(out, val)
+        return redistribute_local(t, src_ps, dst_ps, val, self.dmesh)
 
     def _orig(self, edge: tuple[str, str]) -> tuple[str, str]:
         """An edge between the global graph's nodes (a recomputed copy's, its original's)."""

@@ -285,10 +285,7 @@ class Storage:
     def until(self, resharded: Callable[[str], bool]) -> int:
         """Its last point, where ``resharded(view)`` tells which views have their input
         redistributed."""
-        if not self.views:
-            return self.last
-        kept = (b for chain, b in self.views if not any(map(resharded, chain)))
-        return max([self.base, *kept])
+        return _until(self.last, self.base, self.views, resharded)
 
     def held_by(self) -> tuple[tuple[str, ...], int] | None:
         """``(chain, after)``: where one chain of views alone reads it after point
@@ -303,6 +300,15 @@ class Storage:
     def nbytes(self, ps: Placements | None, mesh_shape) -> int:
         """Bytes one rank holds of this storage when its owner's output is placed ``ps``."""
         return local_bytes(self.shape, self.dtype, ps, mesh_shape) if self.counted else 0
+
+
+def _until(last: int, base: int, views, resharded: Callable[[str], bool]) -> int:
+    """``last``, or where ``views`` (``(chain, last)``) are read through views some of
+    which ``resharded`` cuts: the latest of ``base`` and the chains left whole."""
+    if not views:
+        return last
+    kept = (b for chain, b in views if not any(map(resharded, chain)))
+    return max([base, *kept])
 
 
 @dataclass
@@ -382,9 +388,13 @@ class Liveness:
                 if entry[3] != entry[1]:
                     reads[entry[3]].append(entry)
             viewed: dict[str, list[ViewReshard]] = defaultdict(list)
+            views = view_inputs(self.space)
             for h in self.viewed:
                 viewed[h.node].append(h)
                 viewed[h.src].append(h)
+                for v in {v for chain, _ in h.views for v in chain}:
+                    viewed[v].append(h)  # (its life: by whether v's input is redistributed)
+                    viewed[views[v][0]].append(h)
             self._touching = (dict(owned), dict(reads), dict(viewed))
         return self._touching
 
@@ -578,14 +588,18 @@ class _LifeBase:
 
         tangents: set[tuple[str, int]] = set()
         views = view_inputs(space)
-        # a view's point -> condition -> the last point that reads it or a view of it
-        # ("Reshards into a view"; a copy's views: their copies')
+        # a view's point -> condition -> the chain of views of it read through (empty:
+        # itself) -> the last point ("Reshards into a view"; a copy's views: their copies')
         through: dict[str, dict] = defaultdict(dict)
 
         def mark(src: str, i: int, when=None, copied: str | None = None) -> None:
+            below: list[str] = []
             for v in views_through(views, src):
                 at = through[COPY + v if copied is not None and unit.get(v) == copied else v]
-                at[when] = max(at.get(when, -1), i)
+                chains = at.setdefault(when, {})
+                chain = tuple(below)
+                chains[chain] = max(chains.get(chain, -1), i)
+                below.append(v)
 
         # storage key -> the chain of views it is read through (empty: directly) -> the
         # last point
@@ -735,7 +749,9 @@ class ViewReshard:
     """A redistribution into a view's first input (the view at point ``at``, node ``node``,
     reading output ``out`` of ``src``) whose buffer the view's storage then is: held from
     ``first`` to ``last`` (the points after ``at`` up to the last read of the view or a
-    view of it), when ``when`` holds (``Storage.when``); ``category`` at the peak."""
+    view of it), when ``when`` holds (``Storage.when``); ``category`` at the peak.
+    ``views`` and ``base``: as a ``Storage``'s (its reads through views of the view, one
+    of which may have its input redistributed too: then up to ``until``)."""
 
     at: int
     node: str
@@ -745,6 +761,12 @@ class ViewReshard:
     last: int
     category: str
     when: tuple[str, bool] | None = None
+    views: tuple[tuple[tuple[str, ...], int], ...] = ()
+    base: int = -1
+
+    def until(self, resharded: Callable[[str], bool]) -> int:
+        """Its last point (``Storage.until``)."""
+        return _until(self.last, self.base, self.views, resharded)
 
 
 def _view_reshards(
@@ -756,7 +778,7 @@ def _view_reshards(
     through: Mapping[str, dict],
 ) -> list[ViewReshard]:
     """The ``ViewReshard`` of each point that runs a view (``through``: each view's point
-    -> condition -> the last point that reads it through views)."""
+    -> condition -> the chain of views of it read through -> the last point)."""
     end = len(points)
     found = []
     for i, (point, name) in enumerate(zip(points, node_at)):
@@ -766,17 +788,21 @@ def _view_reshards(
         g = unit_at[i]
         own = None if g is None else (g, True)
         conds = dict(through.get(point, {}))
-        last = max(i, conds.pop(own, i))
-        later = {c: b for c, b in conds.items() if b > last}
+        mine = conds.pop(own, {})
+        base = max(i, mine.get((), i))
+        chains = tuple((c, b) for c, b in mine.items() if c and b > base)
+        last = max([base, *(b for _, b in chains)])
+        later = {c: max(d.values()) for c, d in conds.items()}
+        later = {c: b for c, b in later.items() if b > last}
         if len(later) > 1:  # (as ``storages_of``: live to the latest, an overestimate)
-            last, later = max(later.values()), {}
-        held = [(i + 1, last, own)] if last > i else []
-        held += [(last + 1, b, c) for c, b in later.items()]
-        for first, to, when in held:
+            last, later, chains = max(later.values()), {}, ()
+        held = [(i + 1, last, own, chains, base)] if last > i else []
+        held += [(last + 1, b, c, (), -1) for c, b in later.items()]
+        for first, to, when, cut, before in held:
             saved = to < end and space.roles[node_at[to]] == roles.BACKWARD
             saved = saved and space.roles[name] != roles.BACKWARD
             category = "activations" if saved else "collective_buffers"
-            found.append(ViewReshard(i, name, src, so, first, to, category, when))
+            found.append(ViewReshard(i, name, src, so, first, to, category, when, cut, before))
     return found
 
 
@@ -892,7 +918,12 @@ def peak_bound(
     for h in {id(h): h for n in changed for h in viewed.get(n, ())}.values():
         if h.when is not None and (h.when[0] in recompute) != h.when[1]:
             continue
-        grow += max(0, view_held(lv, h, *after, nbytes) - view_held(lv, h, *before, nbytes))
+        now, was = view_held(lv, h, *after, nbytes), view_held(lv, h, *before, nbytes)
+        grow += max(0, now - was)
+        if h.views and h.until(_resharded_view(space, *after)) > h.until(
+            _resharded_view(space, *before)
+        ):
+            grow += min(now, was)
 
     # the graph outputs whose node or parameter changed (the others' bytes are the same
     # under both), all at the step's return
@@ -1034,11 +1065,12 @@ def measure(
         if h.when is not None and (h.when[0] in recompute) != h.when[1]:
             continue
         size = view_held(lv, h, out_ps, in_ps, nbytes)
-        if size:
+        last = h.until(resharded) if size and h.views else h.last
+        if size and last >= h.first:
             delta[h.category][h.first] += size
-            delta[h.category][h.last + 1] -= size
+            delta[h.category][last + 1] -= size
             if layout:
-                blocks.append((h.first, h.last, size))
+                blocks.append((h.first, last, size))
     copies = any(g is not None for g in lv.unit_at)  # (none: every point is shown)
     shown = [i for i in range(n) if lv.shown(i, recompute)] if copies else list(range(n))
     every = len(shown) == n

@@ -261,14 +261,20 @@ class _Graph:
         self.inputs: list[list[tuple[int, str, int]]] = [[] for _ in range(n)]
         # a reshard into a view's first input (passes/memory, "Reshards into a view"):
         # its buffer is the view's storage, read by whoever reads the view or a view of
-        # it (``through``: the views each node reads through; ``through_readers``: who
-        # reads through each view); the storage it views is then read through that view
-        # no more (``paths``: of each storage made here that nothing pins, each reader's
-        # way in: through which view of it, -1 directly)
+        # it, and the storage it views is read through it no more. Each node's ways in:
+        # the chain of views it reads through, below each view (``view_ways``: view ->
+        # reader -> chains; ``view_sinks``: the graph outputs' chains), and to each
+        # storage made here that nothing pins (``paths``: storage -> reader -> chains,
+        # empty: directly); a reader reads through a chain while none of its views has
+        # its input redistributed. ``through``: the views each node reads through.
         views = view_inputs(space)
         self.viewed = [(pos[v], (COPY + v, -1), *views[v]) for v in order if v in views]
         self.through: list[list[int]] = [[] for _ in range(n)]
-        paths: dict[tuple, dict[int, set[int]]] = defaultdict(lambda: defaultdict(set))
+        paths: dict[tuple, defaultdict[int, set[tuple]]] = defaultdict(lambda: defaultdict(set))
+        self.view_ways: dict[int, defaultdict[int, set[tuple]]] = defaultdict(
+            lambda: defaultdict(set)
+        )
+        self.view_sinks: dict[int, set[tuple]] = defaultdict(set)
         for name in order:
             i = pos[name]
             for j, (src, so) in enumerate(space.in_sources[name]):
@@ -277,23 +283,21 @@ class _Graph:
                     readers[read].add(i)
                 self.inputs[i].append((j, src, so))
                 chain = [pos[v] for v in views_through(views, src)]
-                for v in chain:
+                for k, v in enumerate(chain):
+                    self.view_ways[v][i].add(tuple(chain[:k]))
                     if v not in self.through[i]:
                         self.through[i].append(v)
                 if read is not None and read[0] in pos and read not in self.pinned:
-                    paths[read][i].add(chain[-1] if chain else -1)
-        self.through_readers: dict[int, list[int]] = defaultdict(list)
-        for i in range(n):
-            for v in self.through[i]:
-                self.through_readers[v].append(i)
+                    paths[read][i].add(tuple(chain))
+        for sink in space.sinks:
+            chain = [pos[v] for v in views_through(views, sink.src)]
+            for k, v in enumerate(chain):
+                self.view_sinks[v].add(tuple(chain[:k]))
         # (through views only: the others stay as they are under every plan)
         self.paths = {
             key: dict(ways)
             for key, ways in paths.items()
-            if any(-1 not in w for w in ways.values())
-        }
-        self.through_pinned = {
-            pos[v] for sink in space.sinks for v in views_through(views, sink.src)
+            if any(() not in w for w in ways.values())
         }
         self.reads: list[list[tuple]] = [[] for _ in range(n)]
         self.readers: dict[tuple, list[int]] = {}
@@ -393,20 +397,24 @@ class _Problem:
         reads, makes, touched = list(self.reads), list(self.makes), set()
         readers, count = dict(self.readers), dict(self.reader_count)
         self.pinned = set(self.pinned)
+
+        def whole(chains) -> bool:  # (some chain none of whose views is redistributed into)
+            return any(not any(v in on for v in chain) for chain in chains)
+
         for i, (key, held) in on.items():
             self.size[key] = held
             self.transient[i] -= held
             makes[i] = [*makes[i], key]
-            readers[key] = g.through_readers.get(i, [])
+            readers[key] = sorted(r for r, ways in g.view_ways.get(i, {}).items() if whole(ways))
             count[key] = len(readers[key])
             for r in readers[key]:
                 reads[r] = [*reads[r], key]
             touched.update(readers[key])
             touched.add(i)
-            if i in g.through_pinned:
+            if whole(g.view_sinks.get(i, ())):
                 self.pinned.add(key)
         for key, paths in g.paths.items():
-            gone = {r for r, ways in paths.items() if all(w in on for w in ways)}
+            gone = {r for r, ways in paths.items() if not whole(ways)}
             if gone:
                 readers[key] = [r for r in readers[key] if r not in gone]
                 count[key] = len(readers[key])

@@ -545,8 +545,8 @@ def build_strategies(
         for idx, v in enumerate(_outputs(node)):
             if isinstance(v, torch.Tensor):
                 # (codegen redistributes such a tensor in this order; others contiguous)
-                dims = ops.memory_order(v)
-                if dims != sorted(dims) and v.permute(dims).is_contiguous():
+                dims = ops.dense_order(v)
+                if dims is not None and dims != sorted(dims):
                     sp.layouts[(node.name, idx)] = tuple(dims)
         sp.roles[node.name] = node.meta.get(roles.META_ROLE, "")
         sp.modules[node.name] = node.meta.get(roles.META_MODULE, "")

@@ -77,6 +77,7 @@ from torch import Tensor
 __all__ = [
     "after",
     "cuda_kernel",
+    "dense_order",
     "efficient_bias",
     "in_layout_of",
     "key_blocks",
@@ -104,6 +105,20 @@ def memory_order(x: Tensor) -> list[int]:
     contiguous tensor (a transposed weight)."""
     strides = x.stride()
     return sorted(range(x.dim()), key=lambda d: (-strides[d], d))
+
+
+def dense_order(x: Tensor) -> list[int] | None:
+    """``memory_order(x)`` where ``x`` is a permutation of a contiguous tensor (its strides
+    are a contiguous tensor's in that order), else None; from the strides alone (no op
+    dispatched: a fake tensor's permute is one)."""
+    dims = memory_order(x)
+    expected = 1
+    for d in reversed(dims):
+        size = x.shape[d]
+        if size != 1 and x.stride()[d] != expected:
+            return None
+        expected *= size
+    return dims
 
 
 def in_layout_of(t: Tensor, like: Tensor) -> Tensor:

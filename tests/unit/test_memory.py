@@ -300,16 +300,16 @@ def test_a_gather_along_a_dim_inner_in_memory_holds_its_copy_along_the_dim_too()
 
 
 class _Viewed(torch.nn.Module):
-    """A product viewed into the next one's input: the backward reads the view (the
-    weight's gradient), not the product."""
+    """A product viewed twice into the next one's input: the backward reads the second
+    view (the weight's gradient), not the product."""
 
     def __init__(self):
         super().__init__()
         self.a = torch.nn.Linear(8, 16, bias=False)
-        self.b = torch.nn.Linear(8, 4, bias=False)
+        self.b = torch.nn.Linear(4, 4, bias=False)
 
     def forward(self, x):
-        return self.b(self.a(x).view(32, 8))
+        return self.b(self.a(x).view(32, 8).view(64, 4))
 
 
 def _squares(y, t):
@@ -317,17 +317,18 @@ def _squares(y, t):
 
 
 def test_a_reshard_into_a_view_is_the_views_storage_and_frees_what_it_views():
-    """A gather into a view's input: the gathered buffer is what the view, and the
-    backward's read of it, then hold (to the view's last reader), and the product it
-    views is read no more (freed after the view). Measured against the same plan that
-    keeps the product's placement into the view, on the step's every point; passes/order's
-    model of the step gives the same bytes at every node."""
+    """A gather into a view's input: the gathered buffer is what the view, its view and
+    the backward's read of that then hold (to the last reader), and the product it views
+    is read no more (freed after the view); a reshard into the second view in turn frees
+    the first's buffer. Measured against the plan that keeps the product's placement
+    into both views, on the step's every point; passes/order's model of the step gives
+    the same bytes at every node."""
     import dataclasses
 
     from autopar.passes import memory
 
     torch.manual_seed(0)
-    model, x, t = _Viewed(), torch.randn(16, 8), torch.randn(32, 4)
+    model, x, t = _Viewed(), torch.randn(16, 8), torch.randn(64, 4)
     mesh = autopar.Mesh((2,), ("dp",), device="cpu")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -336,33 +337,47 @@ def test_a_reshard_into_a_view_is_the_views_storage_and_frees_what_it_views():
         step = trace_step(model, (x,), loss_fn=_squares, example_targets=(t,), stack=stack)
     space = build_strategies(step, mesh)
     lv = memory.liveness(space)
-    (h,) = [
-        h
-        for h in lv.viewed
-        if space.targets[h.src] is torch.ops.aten.mm.default and space.roles[h.node] == "forward"
-    ]
-    assert space.roles[lv.order[h.last]] == "backward"  # (the weight gradient's product)
-    product = 16 * 16 * 4
+    forward = [h for h in lv.viewed if space.roles[h.node] == "forward"]
+    (first,) = [h for h in forward if space.targets[h.src] is torch.ops.aten.mm.default]
+    (second,) = [h for h in forward if h.src == first.node]
+    last = second.last
+    assert space.roles[lv.order[last]] == "backward"  # (the weight gradient's product)
+    whole = 16 * 16 * 4
+    half = whole // 2
 
-    def placed(into_view: str):
+    def placed(into_first: str, into_second: str):
         nodes = dict(plan.nodes)
-        nodes[h.src] = dataclasses.replace(nodes[h.src], out=(("S(0)",),))
-        nodes[h.node] = dataclasses.replace(nodes[h.node], ins=((into_view,),))
+        nodes[first.src] = dataclasses.replace(nodes[first.src], out=(("S(0)",),))
+        for h, into in ((first, into_first), (second, into_second)):
+            nodes[h.node] = dataclasses.replace(nodes[h.node], ins=((into,),))
+        nodes[first.node] = dataclasses.replace(nodes[first.node], out=((into_first,),))
+        nodes[second.node] = dataclasses.replace(nodes[second.node], out=((into_second,),))
+        for n in space.order:  # (the second view's readers take it as it is made)
+            ins = [(into_second,) if s == (second.node, 0) else p for s, p in
+                   zip(space.in_sources[n], nodes[n].ins)]  # fmt: skip
+            nodes[n] = dataclasses.replace(nodes[n], ins=tuple(ins))
         return dataclasses.replace(plan, nodes=nodes, collectives=(), order=())
 
-    kept, gathered = placed("S(0)"), placed("R")
-    a, b = (memory.simulate(space, p, optimizer="none") for p in (kept, gathered))
-    assert [n for n, _ in a.timeline] == [n for n, _ in b.timeline] == [*lv.order, "output"]
-    more = [tb - ta for (_, ta), (_, tb) in zip(a.timeline, b.timeline)]
-    for i, d in enumerate(more):
-        if i == h.at:  # the gathered buffer beside the half product
-            assert d == product, i
-        elif h.at < i <= h.last:  # the whole product gathered, not the half
-            assert d == product - product // 2, i
-        else:
-            assert d == 0, i
-    for p, report in ((kept, a), (gathered, b)):
-        problem = order._Problem(space, step.gm, p)
+    plans = {
+        "kept": placed("S(0)", "S(0)"),
+        "gathered": placed("R", "R"),
+        "cut": placed("R", "S(0)"),
+    }
+    reports = {k: memory.simulate(space, p, optimizer="none") for k, p in plans.items()}
+    totals = {k: [total for _, total in r.timeline] for k, r in reports.items()}
+    assert [n for n, _ in reports["kept"].timeline] == [*lv.order, "output"]
+    held = {i: whole - half for i in range(first.at + 1, last + 1)}
+    for k, want in [
+        # the whole product gathered beside the half (the view's reshard), then the whole
+        # held instead of the half, to the backward's read
+        ("gathered", {**held, first.at: whole}),
+        # and the second view's half made from it (the whole freed after it)
+        ("cut", {first.at: whole, second.at: whole}),
+    ]:
+        more = [b - a for a, b in zip(totals["kept"], totals[k])]
+        assert more == [want.get(i, 0) for i in range(len(more))], k
+    for k, report in reports.items():
+        problem = order._Problem(space, step.gm, plans[k])
         each: list[int] = []
         problem.sweep(range(len(problem.names)), each)
         want = dict(report.timeline)
