@@ -146,8 +146,12 @@ both axes of a (2, 4) H100 mesh is within 10% of its emitted step (it was 1.7-2.
 Memory. bytes(i), the bytes one rank holds after node i (passes/memory), is linear in the
 variables: a storage live at i made by output o of node v adds size(o under k) to x[v,k];
 a parameter adds its optimizer state the same way; an input of node i redistributed from p
-to q adds size(q) to e[u,p,v,q] (``memory_point``). Bounding every point would add one
-constraint per node with a term per live tensor and strategy; instead (cutting planes):
+to q adds its buffers to e[u,p,v,q] (``memory_point``). Not linear: how long a reshard into
+a view holds its buffer, and the storage it views lives, when a view of it is redistributed
+into too (passes/memory, "Reshards into a view"); the rows bound those from above (the
+buffer to its longest life; the storage through one auxiliary variable per chain of views).
+Bounding every point would add one constraint per node with a term per live tensor and
+strategy; instead (cutting planes):
 
     solve; measure the plan's bytes(i) at every i (passes/memory.measure, the model the
     memory stage reports); where the peak exceeds the budget, add bytes(i) <= budget at
@@ -156,8 +160,9 @@ constraint per node with a term per live tensor and strategy; instead (cutting p
     budget; solve again; stop when the plan fits (``_bounded``, at most ``MAX_ROUNDS``
     rounds)
 
-Each cut is exact (the same model, not a linearization of it), so a plan that passes the
-last check fits, and every plan that fits satisfies every cut: the loop loses no plan. A
+Each cut is the same model (not a linearization of it), exact but where it bounds the
+reshards into views from above, so a plan that passes the last check fits, and every plan
+that fits satisfies every cut but one those bounds overstate: the loop loses no other. A
 budget that binds costs a few rounds, each a whole solve; the spans' cuts bound in one
 round the points a plan moves its peak to when the peak alone is bounded (GPT (2 layers)
 unfolded on (4,) at 30% of one device's bytes, h100 profile: ILP 19.6 s instead of 21.9 s,
@@ -1241,9 +1246,10 @@ class IlpBuilder:
         bytes); a parameter adds its optimizer state the same way; a tensor input of node i
         redistributed from p to q adds its buffers (``reshard_bytes``) to its edge's
         e[u,p,v,q], and into a view's first input, size(q) at every point its buffer is
-        the view's storage (``Liveness.viewed``); a storage that one view alone reads
-        past a point (``Storage.held_by``) adds size(p) there to the pairs of that view's
-        edge that keep p (redistributed, the view reads its own buffer); at the return
+        the view's storage (``Liveness.viewed``; to its longest life); a storage that
+        one chain of views alone reads past a point (``Storage.held_by``) adds, past it,
+        its variable h >= size - M * (the chain's redistributing pairs) (``_held_var``)
+        in place of its size; at the return
         (``i == len(lv.order)``), each graph output that leaves with q != p adds size(q) to
         its sink's pair (a fixed target: to the producer's x). What lives only when a fold
         group is, or is not, checkpointed goes through that group's r ("Checkpointing")."""
