@@ -376,19 +376,19 @@ class Liveness:
         (``tensor_inputs``' entries, by consumer and by producer), and the ``viewed``
         entries it runs or feeds: made once, read by ``peak_bound``."""
         if self._touching is None:
+            views = view_inputs(self.space)
             owned: dict[str, list[Storage]] = defaultdict(list)
             for s in self.storages:
                 owned[s.owner].append(s)
                 for v in {v for chain, _ in s.views for v in chain}:
                     owned[v].append(s)  # (its life: by whether v's input is redistributed)
-                    owned[view_inputs(self.space)[v][0]].append(s)
+                    owned[views[v][0]].append(s)
             reads: dict[str, list] = defaultdict(list)
             for entry in self.tensor_inputs():
                 reads[entry[1]].append(entry)
                 if entry[3] != entry[1]:
                     reads[entry[3]].append(entry)
             viewed: dict[str, list[ViewReshard]] = defaultdict(list)
-            views = view_inputs(self.space)
             for h in self.viewed:
                 viewed[h.node].append(h)
                 viewed[h.src].append(h)
