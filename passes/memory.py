@@ -894,13 +894,14 @@ def peak_bound(
         _, name, j, src, so, _ = entry
         q = in_ps(name, j)
         p = None if q is None else out_ps(src, so)
-        if p is None or q is None or p is q or tuple(p) == tuple(q):
+        if p is None or q is None or not _differ(p, q):
             return 0
         shape, dtype = space.tensor(src, so)
         return reshard(tuple(shape), dtype, p, q, space.layouts.get((src, so)))
 
-    def until(s: Storage, out_ps: OutPlacement, in_ps: InPlacement) -> int:
-        return s.until(_resharded_view(space, out_ps, in_ps))
+    # (which views' inputs each plan redistributes: how long a storage read through views,
+    # or a view's buffer, lives)
+    cut_before, cut_after = _resharded_view(space, *before), _resharded_view(space, *after)
 
     storages = {id(s): s for n in changed for s in owned.get(n, ())}
     for s in storages.values():
@@ -908,7 +909,7 @@ def peak_bound(
             continue
         (was, was_opt), (now, now_opt) = stored(s, before[0]), stored(s, after[0])
         grow += max(0, now - was) + now_opt - was_opt  # (the optimizer's at every point)
-        if s.views and until(s, *after) > until(s, *before):
+        if s.views and s.until(cut_after) > s.until(cut_before):
             grow += min(now, was)  # (live at points it was not: all of ``now`` there)
     entries = {(e[0], e[2]): e for n in changed for e in reads.get(n, ())}
     for e in entries.values():
@@ -920,9 +921,7 @@ def peak_bound(
             continue
         now, was = view_held(lv, h, *after, nbytes), view_held(lv, h, *before, nbytes)
         grow += max(0, now - was)
-        if h.views and h.until(_resharded_view(space, *after)) > h.until(
-            _resharded_view(space, *before)
-        ):
+        if h.views and h.until(cut_after) > h.until(cut_before):
             grow += min(now, was)
 
     # the graph outputs whose node or parameter changed (the others' bytes are the same
