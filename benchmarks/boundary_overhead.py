@@ -25,11 +25,12 @@ import argparse
 import statistics
 import sys
 import time
-import warnings
 
 import torch
 
 from autopar.runtime import run_local
+
+from common import compile_quietly, print_header
 
 TARGET = 0.02  # the forward+backward overhead the DTensor boundary may add
 
@@ -37,7 +38,6 @@ TARGET = 0.02  # the forward+backward overhead the DTensor boundary may add
 def _bench(rank, world, mesh_shape, layers, hidden, seq, batch, reps):
     from torch.distributed.device_mesh import init_device_mesh
 
-    import autopar
     from autopar.models import GPT, GPTConfig, cross_entropy_loss, lm_batch
 
     cfg = GPTConfig(vocab=512, seq=seq, hidden=hidden, heads=8, layers=layers, ffn=4 * hidden)
@@ -45,16 +45,14 @@ def _bench(rank, world, mesh_shape, layers, hidden, seq, batch, reps):
     model = GPT(cfg)
     tokens, targets = lm_batch(cfg.vocab, batch, cfg.seq)
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "tp")[: len(mesh_shape)])
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        pm = autopar.compile(
-            model,
-            mesh,
-            (tokens,),
-            loss_fn=cross_entropy_loss,
-            example_targets=(targets,),
-            memory_fraction=0.5,
-        )
+    pm = compile_quietly(
+        model,
+        mesh,
+        (tokens,),
+        loss_fn=cross_entropy_loss,
+        example_targets=(targets,),
+        memory_fraction=0.5,
+    )
     batch_local = pm.shard_inputs(tokens, targets)
     names = pm.compiled.param_names
     leaves = [pm.get_parameter(n).to_local().detach().clone().requires_grad_() for n in names]
@@ -119,8 +117,6 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--reps", type=int, default=15)
     args = ap.parse_args(argv)
-    from common import print_header
-
     configs = [((2,), 4, 256, 128, 8), ((2, 2), 4, 256, 128, 8)]
     print_header(
         f"gloo on this machine; GPT float32, AdamW foreach; median of {args.reps} interleaved "

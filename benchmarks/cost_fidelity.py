@@ -64,14 +64,14 @@ import statistics
 import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
-from common import GPU_MODELS, MIXED, last_line, mp_policy, print_header
 
 from autopar.runtime import run_local
+
+from common import GPU_MODELS, MIXED, compile_quietly, last_line, mp_policy, print_header, quiet
 
 TIME_TARGET = 0.30
 GPU_TIME_TARGET = 0.15
@@ -126,17 +126,15 @@ def _measure(rank, world, profile_path, example, mesh_shape, fraction, steps, se
     model = model.to(device)
     inputs = tuple(t.to(device) for t in inputs)
     targets = tuple(t.to(device) for t in targets)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        pm = autopar.compile(
-            model,
-            mesh,
-            inputs,
-            loss_fn=loss_fn,
-            example_targets=targets,
-            device=name,
-            memory_fraction=fraction,
-        )
+    pm = compile_quietly(
+        model,
+        mesh,
+        inputs,
+        loss_fn=loss_fn,
+        example_targets=targets,
+        device=name,
+        memory_fraction=fraction,
+    )
     step = _backward_step(pm, pm.shard_inputs(*inputs, *targets))
     for _ in range(3):
         step()
@@ -215,8 +213,7 @@ def _measure_gpu(rank, world, profile_path, example, size, precision, seconds):
     mesh = init_device_mesh("cuda", (world,), mesh_dim_names=("dp",))
     keywords = dict(loss_fn=loss_fn, example_targets=targets, mp_policy=mp_policy(precision))
     predicted = {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with quiet():
         t0 = time.perf_counter()
         name = autopar.load_profile(profile_path).name
         pm = autopar.compile(model, mesh, inputs, device=name, **keywords)

@@ -40,10 +40,11 @@ import sys
 from pathlib import Path
 
 import torch
-from common import print_header
 
 from autopar.cost_models.compute import compute_time
 from autopar.cost_models.devices import get_profile, load_profile
+
+from common import print_header
 
 TARGET = 0.15
 ROUNDS = 5

@@ -38,12 +38,13 @@ import time
 import warnings
 
 import torch
-from common import print_header
 
 import autopar
 from autopar.models import hf_logits_loss, llama3_8b, lm_batch
 from autopar.passes.solve import SolveError
 from autopar.passes.trace import trace_step
+
+from common import print_header
 
 
 def _plan(seq: int, mesh: autopar.Mesh, budget, constraints=None):

@@ -27,13 +27,20 @@ from __future__ import annotations
 
 import argparse
 import sys
-import warnings
 
 import torch
-from common import GPU_MODELS, MIXED, last_line, mp_policy, print_header
 
 from autopar.runtime import run_local
-from autopar.verify import measured_step_peak
+
+from common import (
+    GPU_MODELS,
+    MIXED,
+    compile_quietly,
+    last_line,
+    mp_policy,
+    print_header,
+    third_step_peak,
+)
 
 TARGET = 0.10
 CASES = [
@@ -55,19 +62,15 @@ CHECKPOINTED = {case for case in CASES if case[1] == (2,) and case[2] is not Non
 
 def _compile(model, mesh, inputs, loss_fn, targets, fraction, precision):
     """``autopar.compile`` of one case, its warnings (rules missing on a zoo model) quiet."""
-    import autopar
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return autopar.compile(
-            model,
-            mesh,
-            inputs,
-            loss_fn=loss_fn,
-            example_targets=targets,
-            memory_fraction=fraction,
-            mp_policy=mp_policy(precision),
-        )
+    return compile_quietly(
+        model,
+        mesh,
+        inputs,
+        loss_fn=loss_fn,
+        example_targets=targets,
+        memory_fraction=fraction,
+        mp_policy=mp_policy(precision),
+    )
 
 
 def _measure(rank, world, example, mesh_shape, fraction, precision):
@@ -81,15 +84,7 @@ def _measure(rank, world, example, mesh_shape, fraction, precision):
     pm = _compile(model, mesh, inputs, loss_fn, targets, fraction, precision)
     local = pm.shard_inputs(*inputs, *targets)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, foreach=False)
-
-    def step():
-        pm(*local).backward()
-        opt.step()
-        opt.zero_grad()  # torch's default: to None, so gradients live from the backward on
-
-    for _ in range(2):
-        step()
-    peak = measured_step_peak(pm, opt, local, step)
+    peak = third_step_peak(pm, local, opt)
     return peak, pm.plan.memory["step"], len(pm.plan.recompute)
 
 

@@ -34,13 +34,20 @@ import argparse
 import statistics
 import sys
 import time
-import warnings
 
 import torch
 from torch import nn
 
 from autopar.runtime import run_local
-from autopar.verify import measured_step_peak
+
+from common import (
+    compile_quietly,
+    plan_quietly,
+    print_header,
+    quiet,
+    third_step_peak,
+    training_step,
+)
 
 K, D, WIDE = 8, 64, 64
 SLACK = 1.01
@@ -94,10 +101,8 @@ def plans(example: str, mesh_shape, fraction) -> tuple[str, str]:
     mesh = autopar.Mesh(mesh_shape, ("dp", "tp")[: len(mesh_shape)], device="cpu")
     out = []
     for skip in ((), ("order",)):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            p = autopar.plan(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets,
-                             memory_fraction=fraction, skip=skip)  # fmt: skip
+        p = plan_quietly(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets,
+                         memory_fraction=fraction, skip=skip)  # fmt: skip
         out.append(p.to_json(timings=True))
     return out[0], out[1]
 
@@ -117,8 +122,7 @@ def least(example: str, mesh_shape, plan_text: str) -> str:
     torch.manual_seed(0)
     model, inputs, loss_fn, targets = build(example)
     plan = autopar.Plan.from_json(plan_text)
-    with contextlib.ExitStack() as stack, warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with contextlib.ExitStack() as stack, quiet():
         step = trace_step(model, inputs, loss_fn=loss_fn, example_targets=targets, stack=stack)
         space = build_strategies(step, plan.mesh)
     o = order.order_step(space, step.gm, plan, beam=EXACT_BEAM, window=len(space.order))
@@ -137,29 +141,19 @@ def _measure(rank, world, example, mesh_shape, plan_texts):
     for text in plan_texts:
         torch.manual_seed(0)
         model, inputs, loss_fn, targets = build(example)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets,
-                                 plan=autopar.Plan.from_json(text))  # fmt: skip
+        pm = compile_quietly(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets,
+                             plan=autopar.Plan.from_json(text))  # fmt: skip
         local = pm.shard_inputs(*inputs, *targets)
         opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, foreach=False)
         runs.append((pm, local, opt))
 
-    def step(pm, local, opt):
-        pm(*local).backward()
-        opt.step()
-        opt.zero_grad()
-
-    peaks = []
-    for pm, local, opt in runs:
-        for _ in range(2):
-            step(pm, local, opt)
-        peaks.append(measured_step_peak(pm, opt, local, lambda r=(pm, local, opt): step(*r)))
+    peaks = [third_step_peak(pm, local, opt) for pm, local, opt in runs]
+    steps = [training_step(pm, local, opt) for pm, local, opt in runs]
     times: list[list[float]] = [[], []]
     for _ in range(5):
-        for k, run in enumerate(runs):
+        for k, step in enumerate(steps):
             t0 = time.perf_counter()
-            step(*run)
+            step()
             times[k].append(time.perf_counter() - t0)
     return peaks, [statistics.median(t) for t in times]
 
@@ -171,11 +165,9 @@ def at_scale(example: str, mesh_shape) -> tuple[float, float, float, int, int]:
 
     model, inputs, loss_fn, targets = EXAMPLES[example]()
     mesh = autopar.Mesh(mesh_shape, ("dp", "tp")[: len(mesh_shape)], device="h100")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        p = autopar.plan(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets,
-                         mp_policy=autopar.MixedPrecision(torch.bfloat16, torch.float32),
-                         memory_budget=float("inf"))  # fmt: skip
+    p = plan_quietly(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets,
+                     mp_policy=autopar.MixedPrecision(torch.bfloat16, torch.float32),
+                     memory_budget=float("inf"))  # fmt: skip
     s = p.stats
     return (s["traced_peak_bytes"] / 2**30, s["step_peak_bytes"] / 2**30, s["order_s"],
             s["nodes"], s["order_moved"])  # fmt: skip
@@ -187,8 +179,6 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", default="", help="comma list of case models (default: all)")
     ap.add_argument("--no-scale", action="store_true", help="leave out the at-scale rows")
     args = ap.parse_args(argv)
-    from common import print_header
-
     import autopar
 
     wanted = set(filter(None, args.cases.split(",")))

@@ -28,11 +28,12 @@ import time
 import warnings
 
 import torch
-from common import print_header
 
 import autopar
 from autopar.models import EXAMPLES
 from autopar.passes.solve import SolveError
+
+from common import print_header
 
 TARGETS_S = {("llama3-8b", "8x8"): 30.0}
 """The most seconds ``autopar.plan`` may take, end to end, per (model, mesh) row."""

@@ -52,7 +52,6 @@ import time
 import warnings
 
 import torch
-from common import print_header
 
 import autopar
 from autopar import experts
@@ -60,6 +59,8 @@ from autopar.core.schedule import edge_ends
 from autopar.cost_models import get_profile, spans_nodes
 from autopar.models import EXAMPLES
 from autopar.passes.solve import SolveError
+
+from common import print_header
 
 
 def _experts(model, mesh: autopar.Mesh, batch: int) -> list[tuple[str, dict]]:

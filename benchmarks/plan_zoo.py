@@ -35,11 +35,11 @@ import time
 import warnings
 from collections import Counter
 
-from common import print_header
-
 import autopar
 from autopar.cli import plan_example
 from autopar.models import EXAMPLES
+
+from common import print_header
 
 MESH = ((2, 4), ("dp", "tp"))
 BATCH = 8

@@ -36,13 +36,14 @@ import time
 import warnings
 
 import torch
-from common import print_header
 
 import autopar
 from autopar.api import plan_step
 from autopar.models import GPT, GPTConfig, cross_entropy_loss
 from autopar.passes.solve import SolveError
 from autopar.passes.trace import trace_step
+
+from common import print_header
 
 FOLD_SPEEDUP = (48, 20.0)
 """(layers, the least unfolded / folded search time there)."""

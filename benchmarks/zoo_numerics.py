@@ -24,10 +24,10 @@ import sys
 import time
 from pathlib import Path
 
-from common import print_header
-
 from autopar import Plan
 from autopar.verify import build_example, verify
+
+from common import print_header
 
 _TEST = Path(__file__).resolve().parent.parent / "tests/distributed/test_zoo_numerics.py"
 

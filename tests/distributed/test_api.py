@@ -1,11 +1,11 @@
 """compile() on real gloo process groups: errors, saved plans, models without a loss."""
 
-import warnings
-
 import pytest
 import torch
 
 from autopar.runtime import run_local
+
+from helpers import compile_quietly, plan_quietly
 
 
 def _mesh_size_mismatch(rank, world):
@@ -39,7 +39,6 @@ def _outputs_without_loss(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    import autopar
     from autopar.models import GPT, GPTConfig, lm_batch
 
     torch.manual_seed(0)
@@ -48,9 +47,7 @@ def _outputs_without_loss(rank, world):
     tokens, _ = lm_batch(cfg.vocab, 8, cfg.seq)
     ref = model(tokens)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        pm = autopar.compile(model, mesh, (tokens,), memory_fraction=0.6)
+    pm = compile_quietly(model, mesh, (tokens,), memory_fraction=0.6)
     (local,) = pm.shard_inputs(tokens)
     out = pm(local)
     out.sum().backward()
@@ -77,17 +74,12 @@ def test_model_without_loss_returns_local_outputs():
 def _saved_plan(rank, world, path):
     from torch.distributed.device_mesh import init_device_mesh
 
-    import autopar
     from autopar.models import EXAMPLES
 
     torch.manual_seed(0)
     model, inputs, loss_fn, targets = EXAMPLES["gpt"]()
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        pm = autopar.compile(
-            model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, plan=path
-        )
+    pm = compile_quietly(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, plan=path)
     loss = pm(*pm.shard_inputs(*inputs, *targets))
     return loss.item(), loss_fn(model(*inputs), *targets).item(), pm.plan.to_json()
 
@@ -99,16 +91,14 @@ def test_compile_runs_a_saved_plan(tmp_path):
 
     torch.manual_seed(0)
     model, inputs, loss_fn, targets = EXAMPLES["gpt"]()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        plan = autopar.plan(
-            model,
-            autopar.Mesh((2,), ("dp",), device="cpu"),
-            inputs,
-            loss_fn=loss_fn,
-            example_targets=targets,
-            memory_fraction=0.6,
-        )
+    plan = plan_quietly(
+        model,
+        autopar.Mesh((2,), ("dp",), device="cpu"),
+        inputs,
+        loss_fn=loss_fn,
+        example_targets=targets,
+        memory_fraction=0.6,
+    )
     path = tmp_path / "plan.json"
     plan.save(path)
     results = run_local(_saved_plan, 2, str(path))

@@ -6,7 +6,6 @@ one after its last gradient, and the result is the single-device one in float64.
 from __future__ import annotations
 
 import copy
-import warnings
 
 import pytest
 import torch
@@ -18,6 +17,8 @@ from autopar.core import parse_placements, reduction
 from autopar.models import GPT, GPTConfig, cross_entropy_loss, lm_batch
 from autopar.runtime import run_local
 from autopar.verify import CollectiveBytes, _cast, build_example, verify
+
+from helpers import compile_quietly, plan_quietly, train_beside
 
 CFG = GPTConfig(vocab=64, seq=16, hidden=32, heads=4, layers=2, ffn=64)
 BATCH = 8
@@ -49,12 +50,10 @@ def _constraints(strategy: str, mesh: autopar.Mesh) -> dict[str, str]:
 def _plan(strategy: str = "dp", skip=()) -> autopar.Plan:
     tokens, targets = lm_batch(CFG.vocab, BATCH, CFG.seq)
     mesh = autopar.Mesh((2,), ("dp",), device="cpu")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return autopar.plan(
-            _gpt(), mesh, (tokens,), loss_fn=cross_entropy_loss, example_targets=(targets,),
-            constraints=_constraints(strategy, mesh), bucket_mb=BUCKET_MB, skip=skip,
-        )  # fmt: skip
+    return plan_quietly(
+        _gpt(), mesh, (tokens,), loss_fn=cross_entropy_loss, example_targets=(targets,),
+        constraints=_constraints(strategy, mesh), bucket_mb=BUCKET_MB, skip=skip,
+    )  # fmt: skip
 
 
 def _bucket_reduces(gm: torch.fx.GraphModule, kind: str) -> list[int]:
@@ -92,10 +91,8 @@ def _train(rank, world, plan_json: str, overlap: bool, kind: str):
 
     codegen._Localizer.__init__ = forced
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            pm = autopar.compile(model, mesh, (tokens,), loss_fn=cross_entropy_loss,
-                                 example_targets=(targets,), plan=plan)  # fmt: skip
+        pm = compile_quietly(model, mesh, (tokens,), loss_fn=cross_entropy_loss,
+                             example_targets=(targets,), plan=plan)  # fmt: skip
     finally:
         codegen._Localizer.__init__ = init
     local = pm.shard_inputs(tokens, targets)
@@ -103,19 +100,11 @@ def _train(rank, world, plan_json: str, overlap: bool, kind: str):
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     losses = []
     counted = CollectiveBytes(mesh)
-    for step in range(3):
-        opt.zero_grad()
-        ref_opt.zero_grad()
-        if step == 0:
-            with counted:
-                loss = pm(*local)
-                loss.backward()
-        else:
-            loss = pm(*local)
-            loss.backward()
-        ref_loss = cross_entropy_loss(ref(tokens), targets)
-        ref_loss.backward()
-        losses.append((loss.item(), ref_loss.item()))
+    for loss, ref_loss in train_beside(
+        pm, local, opt, lambda: cross_entropy_loss(ref(tokens), targets), ref_opt, 3,
+        first_step=counted,
+    ):  # fmt: skip
+        losses.append((loss, ref_loss))
         refs = dict(ref.named_parameters())
         # against the largest gradient: the keys' bias has a gradient of 0 up to rounding
         # (softmax ignores a shift of every key alike)
@@ -124,8 +113,6 @@ def _train(rank, world, plan_json: str, overlap: bool, kind: str):
             (p.grad.full_tensor() - refs[n].grad).abs().max().item() / scale
             for n, p in pm.named_parameters()
         )
-        opt.step()
-        ref_opt.step()
     refs = dict(ref.named_parameters())
     param_err = max(
         ((p.full_tensor() - refs[n]).abs().max() / refs[n].abs().max()).item()

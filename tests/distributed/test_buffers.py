@@ -10,13 +10,14 @@ SyncBatchNorm computes them): DTensor's rule shards BatchNorm by channel or not 
 from __future__ import annotations
 
 import copy
-import warnings
 
 import pytest
 import torch
 from torch import nn
 
 from autopar.runtime import run_local
+
+from helpers import compile_quietly, train_beside
 
 STEPS = 3
 
@@ -44,38 +45,26 @@ def _train(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    import autopar
-
     torch.manual_seed(0)
     model = ConvNet().double()
     ref = copy.deepcopy(model)
     x = torch.randn(8, 3, 8, 8, dtype=torch.float64)
     labels = torch.randint(0, 10, (8,))
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        pm = autopar.compile(
-            model,
-            mesh,
-            (x,),
-            loss_fn=_cross_entropy,
-            example_targets=(labels,),
-            memory_fraction=0.5,
-        )
+    pm = compile_quietly(
+        model,
+        mesh,
+        (x,),
+        loss_fn=_cross_entropy,
+        example_targets=(labels,),
+        memory_fraction=0.5,
+    )
     local = pm.shard_inputs(x, labels)
     opt = torch.optim.SGD(pm.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    losses = []
-    for _ in range(STEPS):
-        opt.zero_grad()
-        ref_opt.zero_grad()
-        loss = pm(*local)
-        loss.backward()
-        ref_loss = _cross_entropy(ref(x), labels)
-        ref_loss.backward()
-        losses.append((loss.item(), ref_loss.item()))
-        opt.step()
-        ref_opt.step()
+    losses = list(
+        train_beside(pm, local, opt, lambda: _cross_entropy(ref(x), labels), ref_opt, STEPS)
+    )
     sd, want = pm.state_dict(), ref.state_dict()
     placed = {k: tuple(v.placements) for k, v in sd.items() if isinstance(v, DTensor)}
     got = {k: v.full_tensor() for k, v in sd.items()}

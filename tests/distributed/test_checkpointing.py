@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import warnings
 
 import pytest
 import torch
@@ -19,6 +18,8 @@ import autopar
 from autopar.models import GPT, GPTConfig, cross_entropy_loss, lm_batch
 from autopar.passes.solve import SolveError
 from autopar.runtime import run_local
+
+from helpers import quiet
 
 CFG = GPTConfig(vocab=64, seq=16, hidden=32, heads=4, layers=2, ffn=64)
 BATCH = 8
@@ -44,8 +45,7 @@ def _rank(rank, world):
     ref_loss.backward()
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
     kwargs = dict(loss_fn=cross_entropy_loss, example_targets=(targets,))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with quiet():
         pm = autopar.compile(model, mesh, (tokens,), memory_fraction=FRACTION, **kwargs)
         kept = dataclasses.replace(pm.plan, recompute=())
         pm_kept = autopar.compile(copy.deepcopy(model), mesh, (tokens,), plan=kept, **kwargs)
@@ -92,8 +92,7 @@ def test_the_budget_needs_checkpointing():
     tokens, targets = lm_batch(CFG.vocab, BATCH, CFG.seq)
     mesh = autopar.Mesh((2,), ("dp",))
     kwargs = dict(loss_fn=cross_entropy_loss, example_targets=(targets,))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with quiet():
         with pytest.raises(SolveError, match="smallest budget that fits"):
             autopar.plan(
                 model, mesh, (tokens,), memory_fraction=FRACTION, checkpointing=False, **kwargs

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import time
-import warnings
 from pathlib import Path
 
 import pytest
@@ -22,22 +21,22 @@ import autopar
 from autopar.models import EXAMPLES
 from autopar.runtime import run_local
 
+from helpers import compile_quietly, plan_quietly
+
 
 def _compiled_mlp(plan=None, fraction=None):
     torch.manual_seed(0)
     model, inputs, loss_fn, targets = EXAMPLES["mlp"]()
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        pm = autopar.compile(
-            model,
-            mesh,
-            inputs,
-            loss_fn=loss_fn,
-            example_targets=targets,
-            plan=plan,
-            memory_fraction=fraction,
-        )
+    pm = compile_quietly(
+        model,
+        mesh,
+        inputs,
+        loss_fn=loss_fn,
+        example_targets=targets,
+        plan=plan,
+        memory_fraction=fraction,
+    )
     return pm, inputs, targets
 
 
@@ -78,16 +77,14 @@ def test_ranks_given_different_plans_all_raise(tmp_path):
     mesh = autopar.Mesh((2,), ("dp",), device="cpu")
     paths = []
     for i, fraction in enumerate([None, 0.6]):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            plan = autopar.plan(
-                model,
-                mesh,
-                inputs,
-                loss_fn=loss_fn,
-                example_targets=targets,
-                memory_fraction=fraction,
-            )
+        plan = plan_quietly(
+            model,
+            mesh,
+            inputs,
+            loss_fn=loss_fn,
+            example_targets=targets,
+            memory_fraction=fraction,
+        )
         paths.append(str(tmp_path / f"plan{i}.json"))
         plan.save(paths[-1])
     assert Path(paths[0]).read_text() != Path(paths[1]).read_text()

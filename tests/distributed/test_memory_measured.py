@@ -8,13 +8,13 @@ codegen's gather of a transposed shard, by the bytes it holds."""
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 
 from autopar.runtime import run_local
 from autopar.verify import measured_step_peak
+
+from helpers import compile_quietly
 
 VIEWS = ("aten.t.default", "aten.view.default", "aten._unsafe_view.default")
 
@@ -22,18 +22,14 @@ VIEWS = ("aten.t.default", "aten.view.default", "aten._unsafe_view.default")
 def _peaks(rank, world, example, mesh_shape, fraction):
     from torch.distributed.device_mesh import init_device_mesh
 
-    import autopar
     from autopar.models import EXAMPLES
 
     torch.manual_seed(0)
     model, inputs, loss_fn, targets = EXAMPLES[example]()
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "tp")[: len(mesh_shape)])
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        pm = autopar.compile(
-            model, mesh, inputs, loss_fn=loss_fn, example_targets=targets,
-            memory_fraction=fraction,
-        )  # fmt: skip
+    pm = compile_quietly(
+        model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, memory_fraction=fraction
+    )
     local = pm.shard_inputs(*inputs, *targets)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, foreach=False)
 

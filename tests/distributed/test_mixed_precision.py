@@ -10,7 +10,6 @@ within a small multiple of how far bf16 itself moves the reference from float32.
 from __future__ import annotations
 
 import copy
-import warnings
 
 import pytest
 import torch
@@ -18,6 +17,8 @@ import torch
 import autopar
 from autopar.models import GPT, GPTConfig, cross_entropy_loss, lm_batch
 from autopar.runtime import run_local
+
+from helpers import compile_quietly
 
 CFG = GPTConfig(vocab=64, seq=16, hidden=32, heads=4, layers=2, ffn=64)
 BATCH = 8
@@ -48,17 +49,15 @@ def _rank(rank, world, reduce_dtype):
     ref_mp = _train_one_device(copy.deepcopy(model), tokens, targets, policy)
     ref_fp32 = _train_one_device(copy.deepcopy(model), tokens, targets, None)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        pm = autopar.compile(
-            model,
-            mesh,
-            (tokens,),
-            loss_fn=cross_entropy_loss,
-            example_targets=(targets,),
-            mp_policy=policy,
-            memory_fraction=0.5,
-        )
+    pm = compile_quietly(
+        model,
+        mesh,
+        (tokens,),
+        loss_fn=cross_entropy_loss,
+        example_targets=(targets,),
+        mp_policy=policy,
+        memory_fraction=0.5,
+    )
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
     local = pm.shard_inputs(tokens, targets)
     losses = []

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import warnings
 
 import pytest
 import torch
@@ -29,6 +28,8 @@ import autopar
 from autopar.models import GPT, GPTConfig, cross_entropy_loss, lm_batch
 from autopar.runtime import run_local
 
+from helpers import compile_quietly, train_beside
+
 CFG = GPTConfig(vocab=64, seq=16, hidden=32, heads=4, layers=2, ffn=64)
 BATCH = 8
 FULL = StateDictOptions(full_state_dict=True)
@@ -42,16 +43,14 @@ def _gpt(seed: int) -> GPT:
 def _compile(model, mesh, tokens, targets, fraction: float):
     """Compile with a budget of ``fraction`` of what one device holds for the step, so that
     the plan shards parameters (each rank then holds different parts)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return autopar.compile(
-            model,
-            mesh,
-            (tokens,),
-            loss_fn=cross_entropy_loss,
-            example_targets=(targets,),
-            memory_fraction=fraction,
-        )
+    return compile_quietly(
+        model,
+        mesh,
+        (tokens,),
+        loss_fn=cross_entropy_loss,
+        example_targets=(targets,),
+        memory_fraction=fraction,
+    )
 
 
 def _digest(t: torch.Tensor) -> str:
@@ -68,13 +67,9 @@ def _clipped_training(rank, world, steps, max_norm):
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2, foreach=True)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=True)
     norms, losses = [], []
-    for _ in range(steps):
-        opt.zero_grad()
-        ref_opt.zero_grad()
-        loss = pm(*local)
-        loss.backward()
-        ref_loss = cross_entropy_loss(ref(tokens), targets)
-        ref_loss.backward()
+    for loss, ref_loss in train_beside(
+        pm, local, opt, lambda: cross_entropy_loss(ref(tokens), targets), ref_opt, steps
+    ):
         grads = [p.grad for p in pm.parameters()]
         # the norm without foreach too (another DTensor path), before clipping changes it
         plain = torch.nn.utils.get_total_norm(grads, foreach=False)
@@ -82,9 +77,7 @@ def _clipped_training(rank, world, steps, max_norm):
         ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm, foreach=True)
         norm, plain = (t.full_tensor() if isinstance(t, DTensor) else t for t in (norm, plain))
         norms.append((norm.item(), plain.item(), ref_norm.item()))
-        losses.append((loss.item(), ref_loss.item()))
-        opt.step()
-        ref_opt.step()
+        losses.append((loss, ref_loss))
     kinds = {
         n: (isinstance(p, torch.nn.Parameter), isinstance(p, DTensor), isinstance(p.grad, DTensor))
         for n, p in pm.named_parameters()

@@ -11,8 +11,6 @@ targets the loss ignores (``ignore_index``) among them, more in one sequence tha
 other; every reduction the plan prices is one the step ran.
 """
 
-import warnings
-
 import pytest
 import torch
 
@@ -20,6 +18,8 @@ from autopar import Mesh, Plan, api
 from autopar.models import _lm_example, hf_llama
 from autopar.passes.strategies import NoRuleWarning
 from autopar.verify import _cast, build_example, verify
+
+from helpers import assert_matches_one_device, quiet
 
 F64 = 1e-8
 VOCAB = 4096  # the gather of B S V log-probabilities dearer than the reductions of B S rows
@@ -68,8 +68,7 @@ def weighted_head(batch: int = 2):
 def _plan(mesh_shape, axes, constraints=None, example=EXAMPLE) -> Plan:
     torch.manual_seed(0)
     model, inputs, loss_fn, targets = build_example(example, batch=2)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", NoRuleWarning)
+    with quiet(NoRuleWarning):
         return api.plan(
             model.to(torch.float64),
             Mesh(mesh_shape, axes, device="cpu"),
@@ -154,12 +153,7 @@ def _check(plan: Plan, reports) -> None:
     """Every rank's losses, gradients and parameters are the single-device model's, and
     every all-reduce the plan prices ran (gloo runs a reshard's all_to_all as an
     all_gather, so the other kinds are not compared)."""
-    for r in reports:
-        for got, want in zip(r.losses, r.ref_losses):
-            assert abs(got - want) <= F64 * abs(want), (r.losses, r.ref_losses)
-        assert r.grad_rel_err <= F64, (r.grad_rel_err, r.worst_grad)
-        assert r.param_rel_err <= F64, (r.param_rel_err, r.worst_param)
-        assert not r.mismatches, r.mismatches
+    assert_matches_one_device(reports, F64)
     for axis in plan.mesh.axis_names:
         key = ("all_reduce", axis)
         assert reports[0].ran[key] == plan.collective_counts()[key], (key, reports[0].ran)

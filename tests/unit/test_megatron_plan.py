@@ -13,8 +13,6 @@ model; the test asserts the structure on whichever axis carries it. Planned from
 device: no weights are allocated.
 """
 
-import warnings
-
 import pytest
 import torch
 from torch.distributed.tensor import Shard
@@ -22,6 +20,8 @@ from torch.distributed.tensor import Shard
 import autopar
 from autopar import experts
 from autopar.models import hf_llama, hf_logits_loss
+
+from helpers import evaluate_quietly, plan_quietly
 
 COLUMN = ("gate_proj", "up_proj")
 ROW = ("down_proj",)
@@ -38,11 +38,9 @@ TOKENS = torch.zeros(8, 512, dtype=torch.long, device="meta")
 
 
 def _plan(mesh):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return autopar.plan(
-            _model(), mesh, (TOKENS,), loss_fn=hf_logits_loss, example_targets=(TOKENS,)
-        )
+    return plan_quietly(
+        _model(), mesh, (TOKENS,), loss_fn=hf_logits_loss, example_targets=(TOKENS,)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -76,16 +74,14 @@ def test_projections_are_column_then_row_parallel_and_batch_on_the_other_axis(ll
 def test_plan_is_at_least_as_fast_as_megatron_with_data_parallel(llama_plan):
     model = _model()
     mesh = llama_plan.mesh
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        expert = autopar.evaluate(
-            model,
-            mesh,
-            (TOKENS,),
-            experts.megatron(model, mesh, dp="dp"),
-            loss_fn=hf_logits_loss,
-            example_targets=(TOKENS,),
-        )
+    expert = evaluate_quietly(
+        model,
+        mesh,
+        (TOKENS,),
+        experts.megatron(model, mesh, dp="dp"),
+        loss_fn=hf_logits_loss,
+        example_targets=(TOKENS,),
+    )
     assert llama_plan.cost["total_s"] <= expert.cost["total_s"], (
         llama_plan.summary(),
         expert.summary(),

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import warnings
 
 import pytest
 import torch
@@ -32,6 +31,8 @@ from autopar.passes.remat import storage_map
 from autopar.passes.strategies import build_strategies
 from autopar.passes.trace import trace_step
 from autopar.verify import run_measured
+
+from helpers import plan_quietly
 
 K, D, WIDE = 4, 32, 64
 
@@ -62,9 +63,7 @@ def _example():
 def _planned(model, mesh, **kwargs):
     x, t = _example()
     model = model.double()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        plan = autopar.plan(model, mesh, (x,), loss_fn=_loss, example_targets=(t,), **kwargs)
+    plan = plan_quietly(model, mesh, (x,), loss_fn=_loss, example_targets=(t,), **kwargs)
     with contextlib.ExitStack() as stack:
         step = trace_step(model, (x,), loss_fn=_loss, example_targets=(t,), stack=stack)
     return model, (x,), (t,), plan, step
@@ -309,10 +308,8 @@ def test_a_step_whose_peak_every_order_shares_is_proven_in_traced_order():
 
     torch.manual_seed(0)
     model, inputs, loss_fn, targets = EXAMPLES["gpt"]()  # the zoo's GPT, as planned
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        plan = autopar.plan(model, autopar.Mesh((2,), ("dp",), device="cpu"), inputs,
-                            loss_fn=loss_fn, example_targets=targets)  # fmt: skip
+    plan = plan_quietly(model, autopar.Mesh((2,), ("dp",), device="cpu"), inputs,
+                        loss_fn=loss_fn, example_targets=targets)  # fmt: skip
     # the peak is where the whole forward is held into the backward: no order lowers it
     assert plan.stats["order_bound_bytes"] == plan.stats["order_traced_bytes"]
     assert plan.stats["order_optimal"] and plan.stats["order_moved"] == 0

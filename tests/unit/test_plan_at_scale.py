@@ -8,8 +8,6 @@ numbers, at its batch). How long it takes is measured by benchmarks/plan_at_scal
 here.
 """
 
-import warnings
-
 import pytest
 import torch
 from torch.distributed.tensor import Shard
@@ -17,6 +15,8 @@ from torch.distributed.tensor import Shard
 import autopar
 from autopar import experts
 from autopar.models import EXAMPLES
+
+from helpers import evaluate_quietly, plan_quietly
 
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW = ("o_proj", "down_proj")
@@ -27,11 +27,9 @@ BF16 = autopar.MixedPrecision(torch.bfloat16, torch.float32)  # as Llama 3 is tr
 def llama3_plan():
     model, inputs, loss_fn, targets = EXAMPLES["llama3-8b"]()
     mesh = autopar.Mesh((8, 8), ("dp", "tp"), device="h100")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return autopar.plan(
-            model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, mp_policy=BF16
-        )
+    return plan_quietly(
+        model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, mp_policy=BF16
+    )
 
 
 def test_llama3_8b_layers_fold_into_one_group(llama3_plan):
@@ -67,10 +65,8 @@ def test_llama3_8b_plan_beats_megatron_with_data_parallel_and_fits_an_h100(llama
     # and it is at least as fast as Megatron's layout over tp with the batch over dp,
     # costed by the same model (benchmarks/plan_quality.py has the other experts)
     model, inputs, loss_fn, targets = EXAMPLES["llama3-8b"]()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        expert = autopar.evaluate(
-            model, plan.mesh, inputs, experts.megatron(model, plan.mesh, tp="tp", dp="dp"),
-            loss_fn=loss_fn, example_targets=targets, mp_policy=BF16,
-        )  # fmt: skip
+    expert = evaluate_quietly(
+        model, plan.mesh, inputs, experts.megatron(model, plan.mesh, tp="tp", dp="dp"),
+        loss_fn=loss_fn, example_targets=targets, mp_policy=BF16,
+    )  # fmt: skip
     assert plan.cost["total_s"] <= expert.cost["total_s"], (plan.summary(), expert.summary())
