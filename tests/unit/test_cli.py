@@ -4,6 +4,8 @@ import pytest
 
 from autopar.cli import main
 
+pytestmark = pytest.mark.pinned_torch_only
+
 
 def test_plan_builtin_example_prints_the_table(capsys, tmp_path):
     out_path = tmp_path / "plan.json"

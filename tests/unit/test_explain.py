@@ -9,6 +9,8 @@ import pytest
 from autopar import Plan
 from autopar.cli import main
 
+pytestmark = pytest.mark.pinned_torch_only
+
 
 @pytest.fixture(scope="module")
 def mlp_plan(tmp_path_factory) -> str:

@@ -17,6 +17,8 @@ from autopar.passes.solve import solve
 from autopar.passes.strategies import build_strategies
 from autopar.passes.trace import trace_step
 
+pytestmark = pytest.mark.pinned_torch_only
+
 
 def _trace(model, inputs, loss_fn, targets, stack):
     with warnings.catch_warnings():

@@ -75,7 +75,15 @@ def _plan_json(case) -> str:
     return plan_example(example, mesh, memory_fraction=fraction, fold=fold).to_json()
 
 
-@pytest.mark.parametrize("case", CASES, ids=_name)
+def _param(case):
+    # the budget-bound cases: the newer torch's CI run leaves them to the pinned run, for
+    # its time (the other cases check there that both versions give the same plans)
+    fraction = case[4]
+    marks = [pytest.mark.pinned_torch_only] if fraction is not None else []
+    return pytest.param(case, id=_name(case), marks=marks)
+
+
+@pytest.mark.parametrize("case", [_param(c) for c in CASES])
 def test_plan_equals_the_committed_plan(case):
     path = GOLDEN / _name(case)
     want = gzip.decompress(path.read_bytes()).decode()

@@ -23,6 +23,8 @@ from autopar.models import hf_llama, hf_logits_loss
 
 from helpers import evaluate_quietly, plan_quietly
 
+pytestmark = pytest.mark.pinned_torch_only
+
 COLUMN = ("gate_proj", "up_proj")
 ROW = ("down_proj",)
 

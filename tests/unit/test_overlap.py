@@ -27,6 +27,8 @@ from autopar.passes.solve import HIDES, MULTI, _bucket, build_ilp
 from autopar.passes.strategies import build_strategies
 from autopar.passes.trace import trace_step
 
+pytestmark = pytest.mark.pinned_torch_only
+
 
 def _dp_plan(cfg: GPTConfig, batch: int, mesh: autopar.Mesh) -> autopar.Plan:
     with torch.device("meta"):

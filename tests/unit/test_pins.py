@@ -18,6 +18,8 @@ from autopar.passes.solve import SolveError
 from autopar.show import collective_rows, purpose
 from autopar.verify import build_example
 
+pytestmark = pytest.mark.pinned_torch_only
+
 MESH_4 = Mesh((4,), ("dp",), device="h100")
 MESH_2x2 = Mesh((2, 2), ("dp", "tp"), device="h100")
 

@@ -18,6 +18,8 @@ from autopar.models import EXAMPLES
 
 from helpers import evaluate_quietly, plan_quietly
 
+pytestmark = pytest.mark.pinned_torch_only
+
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW = ("o_proj", "down_proj")
 BF16 = autopar.MixedPrecision(torch.bfloat16, torch.float32)  # as Llama 3 is trained

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
 import autopar
 from autopar import plan_cache
 from autopar.cli import main
+
+pytestmark = pytest.mark.pinned_torch_only
 
 
 def _planned(capsys, tmp_path, *args) -> tuple[autopar.Plan, str]:

@@ -25,6 +25,8 @@ from autopar.report import (
 )
 from autopar.show import layer_groups
 
+pytestmark = pytest.mark.pinned_torch_only
+
 GOLDEN = Path(__file__).resolve().parent.parent / "golden"
 # a 4-layer GPT on (4,) H100s with a budget: reshards, gradient buckets that overlap the
 # backward, and checkpointed layers (a reshard into each recomputed copy); and a GPT on

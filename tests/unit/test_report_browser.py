@@ -10,6 +10,8 @@ import pytest
 from autopar.core.plan import Plan
 from autopar.report import write_report
 
+pytestmark = pytest.mark.pinned_torch_only
+
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 if CHROMIUM is None:
