@@ -20,7 +20,6 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -39,8 +38,7 @@ from .passes.pipeline import (
     REPORT_STAGES,
     TRACE,
     PlanOptions,
-    assemble,
-    emitted_length,
+    State,
     run_stages,
 )
 from .passes.trace import StepGraph
@@ -64,10 +62,10 @@ class PlanMismatchError(ValueError):
 
 
 def _options(
-    time_limit_s: float,
-    memory_budget: float | None,
-    fold: bool,
-    skip,
+    time_limit_s: float = 600.0,
+    memory_budget: float | None = None,
+    fold: bool = True,
+    skip=(),
     optimizer: str = "adamw",
     memory_fraction: float | None = None,
     checkpointing: bool = True,
@@ -132,29 +130,45 @@ def plan_step(
 
 
 def _search(step: StepGraph, mesh: Mesh, options: PlanOptions, stats: dict | None = None) -> Plan:
-    """``PLAN_STAGES`` on ``step``; ``stats``: what earlier stages recorded (the trace's)."""
+    """``PLAN_STAGES`` on ``step``, then ``REPORT_STAGES``; ``stats``: what earlier stages
+    recorded (the trace's)."""
+    with _gc_paused():
+        state = searched(step, mesh, options, stats)
+        plan = reported(state)
+        # (what the stages made but the plan is freed before the collection, not walked by it)
+        del state
+    return plan
+
+
+def searched(step: StepGraph, mesh: Mesh, options: PlanOptions, stats: dict | None = None) -> State:
+    """The pipeline's state after ``PLAN_STAGES`` on ``step``: the solve stage's solution and
+    its plan (``State.plan``), its statistics ``stats`` and the times of the search's stages
+    (``search_s``)."""
     if stats is None:  # traced elsewhere: the trace stage's statistics from the step
         stats = {"trace_s": step.trace_s, **TRACE.stats(step)}
     stats = dict(stats)
-    state: dict[str, Any] = {"trace": step, "mesh": mesh, "options": options}
-    with _gc_paused():
-        run_stages(PLAN_STAGES, state, stats, skip=options.skip)
-        stats["search_s"] = sum(stats.get(f"{name}_s", 0.0) for name in _SEARCH_STAGES)
-        plan = assemble(state, step.fingerprint(), stats)
-        state["plan"] = plan
-        recorded = plan.stats
-        run_stages(REPORT_STAGES, state, recorded, skip=options.skip)
-        plan, report = state["plan"], state["memory"]
-        if plan.stats is not recorded:  # a stage gave the plan stats of its own (prefetch's
-            # copy): what the stages after it recorded, their times too, go with the plan
-            plan.stats.update({k: v for k, v in recorded.items() if k not in plan.stats})
-        if report is not None:
-            plan.memory["step"] = report.to_dict()
-        # the step as emitted, in the order it runs; the solver's objective beside it
-        plan.cost.setdefault("objective_s", plan.cost["total_s"])
-        plan.cost["total_s"] = emitted_length(state, plan)
-        # (what the stages made but the plan is freed before the collection, not walked by it)
-        del state, report
+    state = State(trace=step, mesh=mesh, options=options)
+    run_stages(PLAN_STAGES, state, stats, skip=options.skip)
+    stats["search_s"] = sum(stats.get(f"{name}_s", 0.0) for name in _SEARCH_STAGES)
+    state.assemble(step.fingerprint(), stats)
+    return state
+
+
+def reported(state: State) -> Plan:
+    """The plan of a ``searched`` state, made by ``REPORT_STAGES`` (the emitted step: the
+    order, the buckets, the prefetches, the step memory), its cost the emitted step's."""
+    assert state.plan is not None
+    recorded = state.plan.stats
+    run_stages(REPORT_STAGES, state, recorded, skip=state.options.skip)
+    plan, report = state.plan, state.memory
+    if plan.stats is not recorded:  # a stage gave the plan stats of its own (prefetch's
+        # copy): what the stages after it recorded, their times too, go with the plan
+        plan.stats.update({k: v for k, v in recorded.items() if k not in plan.stats})
+    if report is not None:
+        plan.memory["step"] = report.to_dict()
+    # the step as emitted, in the order it runs; the solver's objective beside it
+    plan.cost.setdefault("objective_s", plan.cost["total_s"])
+    plan.cost["total_s"] = state.emitted_length()
     return plan
 
 
@@ -188,16 +202,18 @@ def _gc_paused():
 def _trace(
     model, example_inputs, loss_fn, example_targets, stack, stats, meta_device="cpu", mp=None
 ) -> StepGraph:
-    state = {
-        "meta_device": meta_device,
-        "mp_policy": mp,
-        "model": model,
-        "example_inputs": example_inputs,
-        "loss_fn": loss_fn,
-        "example_targets": example_targets,
-        "stack": stack,
-    }
-    return run_stages([TRACE], state, stats)["trace"]
+    state = State(
+        meta_device=meta_device,
+        mp_policy=mp,
+        model=model,
+        example_inputs=example_inputs,
+        loss_fn=loss_fn,
+        example_targets=example_targets,
+        stack=stack,
+    )
+    step = run_stages([TRACE], state, stats).trace
+    assert step is not None
+    return step
 
 
 def plan(
@@ -482,8 +498,9 @@ def compile(  # noqa: A001 - the documented name
                 raise PlanMismatchError(
                     f"the plan is for mesh {plan.mesh.shape}, this mesh is {amesh.shape}"
                 )
-        state = {"trace": step, "plan": plan, "dmesh": mesh}
-        compiled = run_stages(COMPILE_STAGES, state, stats, skip=options.skip)["codegen"]
+        state = State(trace=step, plan=plan, dmesh=mesh)
+        compiled = run_stages(COMPILE_STAGES, state, stats, skip=options.skip).codegen
+        assert compiled is not None
     local_values = None
     if meta:
         _set_rng_states(mesh.device_type, rng)

@@ -109,7 +109,8 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -117,7 +118,7 @@ from autopar.core import Plan, StrategySpace, local_shape, parse_placements, red
 from autopar.core.plan import comm_by_kind
 
 from .memory import MemoryReport, held_inputs, simulate
-from .solve import chain, collective_s, overlaps_collectives, splits_evenly
+from .pricing import collective_s, overlaps_collectives
 
 __all__ = [
     "BUDGET_ROUNDS",
@@ -135,6 +136,49 @@ at the graph's end, as the solver priced the step (``bucket_measured``)."""
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 """DDP's default bucket cap (``bucket_cap_mb=25``)."""
+
+
+def chain(steps: Sequence[tuple[str, Any]], scattered: Mapping[Any, int | None]) -> str | None:
+    """``direct`` or ``hierarchical`` where a gradient's collectives (``steps``: ``(kind,
+    axis)`` in order) are a reduction over the axes of ``scattered`` (axis -> scatter dim,
+    None: reduced into Replicate; ``core.reductions``) that a bucket can run on one flat
+    tensor (``bucket_reductions``); else None. Axes by name or by index, alike in both."""
+    kinds = [k for k, _ in steps]
+    axes = [a for _, a in steps]
+    if (
+        len(steps) >= 3
+        and kinds[0] == "reduce_scatter"
+        and kinds[-1] == "all_gather"
+        and axes[0] == axes[-1]
+        and all(k == "all_reduce" for k in kinds[1:-1])
+        and len(set(axes[:-1])) == len(axes) - 1
+        and set(axes) == set(scattered)
+        and all(d is None for d in scattered.values())
+    ):
+        return "hierarchical"
+    if len(set(axes)) != len(axes) or set(axes) != set(scattered):
+        return None
+    wanted = {a: ("all_reduce" if d is None else "reduce_scatter") for a, d in scattered.items()}
+    return "direct" if all(wanted[a] == k for k, a in steps) else None
+
+
+def splits_evenly(
+    made: Sequence[int],
+    steps: Sequence[tuple[str, Any]],
+    scattered: Mapping[Any, int | None],
+    size: Mapping[Any, int],
+) -> bool:
+    """Each reduce-scatter of ``steps`` splits what the ones before it left of the local
+    shape ``made`` evenly (a bucket's flat tensor is the members' equal chunks, rank by
+    rank); ``size``: each axis's ranks."""
+    local = list(made)
+    for kind, axis in steps:
+        d = scattered[axis]
+        if kind == "reduce_scatter" and d is not None:
+            if local[d] % size[axis]:
+                return False
+            local[d] //= size[axis]
+    return True
 
 
 @dataclasses.dataclass

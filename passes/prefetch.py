@@ -68,7 +68,7 @@ from autopar.core.schedule import edge_ends, purpose
 from .buckets import flat_bytes
 from .memory import MemoryReport, local_bytes, simulate
 from .order import ready_nodes
-from .solve import overlaps_collectives
+from .pricing import overlaps_collectives
 
 __all__ = ["BUDGET_ROUNDS", "prefetch_measured", "prefetch_reshards"]
 

@@ -238,7 +238,7 @@ def context_variant(target, ins) -> str | None:
 
 def keys_gathered(target, ins) -> tuple:
     """``ins`` with a ring strategy's keys and values whole along the rows' axis: the
-    shapes its kernels compute on over the ring, all the keys in turn (``_node_costs``)."""
+    shapes its kernels compute on over the ring, all the keys in turn (passes/pricing ``node_costs``)."""
     if context_variant(target, ins) != "ring":
         return tuple(ins)
     at = ATTENTION_Q[target]

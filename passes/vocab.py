@@ -61,7 +61,7 @@ The reductions of the softmax run in float32 at least (``acc_dtype``: float64 st
 float64), over rows of [N] values: 8 bytes a row forward and 4 backward, where the gather
 of float32 logits moves 4 C bytes a row; the count is one int64. Each is waited for at once
 (the op needs its result), so passes/solve adds them to the op's time
-(``_inner_collectives``) and core/schedule draws them inside it.
+(passes/pricing ``inner_collectives``) and core/schedule draws them inside it.
 
 A class weight w (``weight`` not None, [C]) is whole on every rank (``Replicate``): each
 rank weights the targets it picks by their class's weight, w[t_i] (indexed by the global

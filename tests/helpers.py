@@ -82,3 +82,29 @@ def assert_matches_one_device(reports, rel: float) -> None:
         assert r.grad_rel_err <= rel, (r.grad_rel_err, r.worst_grad)
         assert r.param_rel_err <= rel, (r.param_rel_err, r.worst_param)
         assert not r.mismatches, r.mismatches
+
+
+def staged_plan(
+    model, mesh, example_inputs, *, loss_fn, example_targets, fresh=False, **options
+) -> tuple[autopar.Plan, object]:
+    """``autopar.plan`` with its pipeline state (passes/pipeline ``State``): the plan and the
+    state its stages left. ``options``: ``autopar.plan``'s keywords. ``fresh``: the report
+    stages (the emitted step's: order, buckets, prefetch, memory) ask a new emitter
+    (passes/emit), which judged no overlap round, so each makes its artifact anew instead of
+    taking what the rounds made of the solution."""
+    from autopar import api
+    from autopar.passes.emit import Emitter
+
+    mp = options.pop("mp_policy", None)
+    with contextlib.ExitStack() as stack, quiet():
+        step = api._trace(model, example_inputs, loss_fn, example_targets, stack, {}, mp=mp)
+        opts = api._options(**options)
+        state = api.searched(step, mesh, opts)
+        if fresh:
+            judged = state.emitter
+            assert judged is not None
+            state.emitter = Emitter(
+                judged.space, judged.gm, skip=judged.skip, bucket_bytes=judged.bucket_bytes,
+                optimizer=judged.optimizer,
+            )  # fmt: skip
+        return api.reported(state), state

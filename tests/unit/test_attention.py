@@ -520,18 +520,18 @@ def test_context_variant_tells_ring_from_gather_by_the_keys():
 def test_ring_time_hides_shifts_under_the_blocks_and_pays_the_tail():
     from autopar.cost_models import collectives_time, get_profile
     from autopar.passes import rules
-    from autopar.passes.solve import _ring_time
+    from autopar.passes.pricing import ring_time
 
     mesh, profile = autopar.Mesh((4,), ("cp",), device="h100"), get_profile("h100")
     steps, tail = rules.ring_steps(SDPA_BACKWARD, (1, 8, 4096, 128), 128, torch.bfloat16, 0, 4)
     shift = sum(collectives_time(s, mesh, profile) for s in steps)
     last = collectives_time(tail, mesh, profile)
     # kernels long enough: the shifts hide, the last one (home) does not
-    assert _ring_time(1.0, steps, tail, mesh, profile) == pytest.approx(1.0 + last)
+    assert ring_time(1.0, steps, tail, mesh, profile) == pytest.approx(1.0 + last)
     # no compute: every shift is paid
-    assert _ring_time(0.0, steps, tail, mesh, profile) == pytest.approx(shift + last)
+    assert ring_time(0.0, steps, tail, mesh, profile) == pytest.approx(shift + last)
     # gloo waits for each shift at once (passes/codegen): nothing hides
     cpu = autopar.Mesh((4,), ("cp",), device="cpu")
     serial = sum(collectives_time(s, cpu, get_profile("cpu")) for s in [*steps, tail])
-    got = _ring_time(1.0, steps, tail, cpu, get_profile("cpu"))
+    got = ring_time(1.0, steps, tail, cpu, get_profile("cpu"))
     assert got == pytest.approx(1.0 + serial)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import sys
 import warnings
 
 import pytest
@@ -23,9 +22,12 @@ from autopar.models import GPT, GPTConfig, cross_entropy_loss
 from autopar.passes.buckets import chain
 from autopar.passes.fold import fold_regions
 from autopar.passes.memory import held_inputs
-from autopar.passes.solve import HIDES, MULTI, _bucket, build_ilp
+from autopar.passes.solve import HIDES, MULTI, build_ilp, overlap
+from autopar.passes.solve.ilp import _bucket
 from autopar.passes.strategies import build_strategies
 from autopar.passes.trace import trace_step
+
+from helpers import staged_plan
 
 pytestmark = pytest.mark.pinned_torch_only
 
@@ -328,7 +330,7 @@ def test_the_ilp_counts_a_bucket_over_two_axes_whole_and_the_step_length_beside(
         for v, c in pool.items():
             steps[v] = steps.get(v, 0.0) + c
     assert steps, "no chain over two axes among the gradients' pairs"
-    terms = ilp.objective_terms({})
+    terms = overlap.objective_terms(ilp, {})
     for v, c in steps.items():
         assert c == pytest.approx(ilp.coef[v]) and terms[v] == pytest.approx(ilp.coef[v])
     assert all(k[0] == "backward" for k in ilp.multi_coef)
@@ -343,26 +345,26 @@ def test_the_ilp_counts_a_bucket_over_two_axes_whole_and_the_step_length_beside(
 @pytest.mark.parametrize("integral", [True, False])
 def test_rounds_solved_beside_give_the_plan_solved_in_place(monkeypatch, integral):
     """The overlap rounds whose shares are known are solved on a copy of the ILP beside the
-    round before (passes/solve, ``_SolveBeside``): the rounds and the plan are those of
+    round before (passes/solve ``backend.SolveBeside``): the rounds and the plan are those of
     every round solved in place; so too where no relaxation is integral, and the copy
     loads and solves the ILP itself, on its thread."""
-    import autopar.passes.solve as solve_pass
+    from autopar.passes.solve import backend, highs
 
     if not integral:
-        monkeypatch.setattr(solve_pass, "_relaxed", lambda *a, **k: None)
+        monkeypatch.setattr(highs, "relaxed", lambda *a, **k: None)
     mesh, model, tokens, kw = _middle_on_four_nodes()
     kw["constraints"] = {"input:0": "S(0)"}
     taken = []
-    result = solve_pass._SolveBeside.result
+    result = backend.SolveBeside.result
     monkeypatch.setattr(
-        solve_pass._SolveBeside,
+        backend.SolveBeside,
         "result",
         lambda self, idle=None: taken.append(self) or result(self, idle),
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         beside = autopar.plan(model, mesh, (tokens,), **kw)
-        monkeypatch.setattr(solve_pass, "BESIDE_SOLVERS", ())
+        monkeypatch.setattr(highs, "BESIDE_SOLVERS", ())
         in_place = autopar.plan(model, mesh, (tokens,), **kw)
     assert taken, "no round was solved beside"
     assert beside.stats["overlap_rounds"] == in_place.stats["overlap_rounds"]
@@ -373,41 +375,32 @@ def test_rounds_solved_beside_give_the_plan_solved_in_place(monkeypatch, integra
 def test_the_memory_stage_takes_the_step_memory_measured_while_a_round_was_awaited(
     monkeypatch,
 ):
-    """While the solver waits for a round solved beside, the pipeline measures the step
-    memory of the shortest plan judged so far (``_idle``); the memory stage takes it where
-    that plan is kept (here the second of three rounds, measured while the third was
+    """While the solver waits for a round solved beside, the emitter measures the step
+    memory of the shortest plan judged so far (passes/emit ``idle``); the memory stage takes
+    it where that plan is kept (here the second of three rounds, measured while the third was
     awaited), and the plan is the one planned without rounds beside, its memory too."""
-    import autopar.passes.pipeline as pipeline
-    import autopar.passes.solve as solve_pass
+    from autopar.passes.solve import backend, highs
 
-    callers = []
-    simulate = pipeline.simulate
-
-    def counted(space, plan, optimizer="adamw"):
-        callers.append(sys._getframe(1).f_code.co_name)
-        return simulate(space, plan, optimizer=optimizer)
-
-    monkeypatch.setattr(pipeline, "simulate", counted)
-    result = solve_pass._SolveBeside.result
+    result = backend.SolveBeside.result
 
     def awaited(self, idle=None):  # (as if every round were still solving when awaited)
         if idle is not None:
             idle()
         return result(self)
 
-    monkeypatch.setattr(solve_pass._SolveBeside, "result", awaited)
+    monkeypatch.setattr(backend.SolveBeside, "result", awaited)
     mesh, model, tokens, kw = _middle_on_four_nodes()
     kw["constraints"] = {"input:0": "S(0)"}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        idled = autopar.plan(model, mesh, (tokens,), **kw)
-        assert "idle" in callers and "_memory" not in callers, callers
-        rounds = idled.stats["overlap_rounds"]
-        assert min(rounds) == rounds[1] < rounds[0]  # (the second round's plan kept)
-        callers.clear()
-        monkeypatch.setattr(solve_pass, "BESIDE_SOLVERS", ())
-        in_place = autopar.plan(model, mesh, (tokens,), **kw)
-    assert callers == ["_memory"]
+    idled, state = staged_plan(model, mesh, (tokens,), **kw)
+    rounds = idled.stats["overlap_rounds"]
+    assert min(rounds) == rounds[1] < rounds[0]  # (the second round's plan kept)
+    kept = state.emitter.of(state.solve)
+    assert kept is not None and kept.report is not None  # measured while a round was awaited
+    assert state.memory is kept.report  # and taken by the memory stage
+    monkeypatch.setattr(highs, "BESIDE_SOLVERS", ())
+    in_place, state = staged_plan(model, mesh, (tokens,), **kw)
+    kept = state.emitter.of(state.solve)
+    assert kept is not None and kept.report is None  # nothing awaited: the stage measured it
     assert idled.collectives == in_place.collectives and idled.order == in_place.order
     assert idled.memory["step"] == in_place.memory["step"]
     assert idled.stats["step_peak_bytes"] == in_place.stats["step_peak_bytes"]
@@ -438,21 +431,19 @@ def test_rounds_bounded_from_the_last_plan_measured_give_the_plan_of_rounds_meas
     measured where the bound fits the budget (passes/solve ``_PeakBound``): the rounds,
     the plan and its peak are those of every round measured, and the peak is the kept
     plan's, measured."""
-    import autopar.passes.solve as solve_pass
+    from autopar.passes.solve import memory_rows
 
     mesh, model, tokens, kw = _middle_on_four_nodes()
     kw["constraints"] = {"input:0": "S(0)"}
     bounds = []
-    bound = solve_pass.IlpBuilder.peak_bound
+    bound = memory_rows.peak_bound
     monkeypatch.setattr(
-        solve_pass.IlpBuilder,
-        "peak_bound",
-        lambda self, lv: bounds.append(bound(self, lv)) or bounds[-1],
+        memory_rows, "peak_bound", lambda ilp, lv: bounds.append(bound(ilp, lv)) or bounds[-1]
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         bounded = autopar.plan(model, mesh, (tokens,), **kw)
-        monkeypatch.setattr(solve_pass.IlpBuilder, "peak_bound", lambda self, lv: None)
+        monkeypatch.setattr(memory_rows, "peak_bound", lambda ilp, lv: None)
         measured = autopar.plan(model, mesh, (tokens,), **kw)
     assert [b for b in bounds if b is not None], "no round took a bound"
     assert bounded.stats["overlap_rounds"] == measured.stats["overlap_rounds"]

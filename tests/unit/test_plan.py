@@ -1,6 +1,5 @@
 import math
 import re
-import sys
 import warnings
 
 import pytest
@@ -10,6 +9,8 @@ import autopar
 from autopar import Mesh, Plan
 from autopar.models import GPT, MLP, GPTConfig, cross_entropy_loss, mse_loss
 from autopar.passes.solve import SolveError
+
+from helpers import staged_plan
 
 
 def _gpt_plan(mesh, cfg=None, batch=4, **kw):
@@ -176,81 +177,36 @@ def _small_gpt_plan(**kw) -> autopar.Plan:
 _SMALL_GPT = GPTConfig(layers=2, hidden=128, heads=4, ffn=512, vocab=512, seq=64)
 
 
-def test_the_report_stages_take_the_kept_rounds_plan_and_it_is_the_plan_they_would_make(
-    monkeypatch,
-):
-    from autopar.core import plan as plan_module
-    from autopar.passes import pipeline, solve
+def _small_gpt_staged(fresh=False, **kw):
+    """``_small_gpt_plan`` with the pipeline's state (tests/helpers ``staged_plan``)."""
+    cfg = _SMALL_GPT
+    with torch.device("meta"):
+        model = GPT(cfg)
+    tokens = torch.zeros(4, cfg.seq, dtype=torch.long, device="meta")
+    return staged_plan(
+        model, Mesh((2, 2), ("dp", "tp")), (tokens,), loss_fn=cross_entropy_loss,
+        example_targets=(tokens,), fresh=fresh, **kw,
+    )  # fmt: skip
 
-    calls = {"order_step": 0, "prefetch_measured": 0, "simulate": 0}
-    unmeasured = []  # prefetches that did not measure the plan they returned
-    # what reading a solution, making its plan and simulating its step cost, by what
-    made = {"_read": 0, "_nodes_and_collectives": 0, "emitted_step_s": 0}
 
-    sims = []  # (caller, plan) of each step memory measured
-
-    def counted(module, name, into):
-        real = getattr(module, name)
-
-        def run(*args, **kw):
-            into[name] += 1
-            if name == "simulate":
-                sims.append((sys._getframe(1).f_code.co_name, args[1]))
-            out = real(*args, **kw)
-            if name == "prefetch_measured" and out[1] is None:
-                unmeasured.append(out[0])
-            return out
-
-        return run
-
-    for name in calls:
-        monkeypatch.setattr(pipeline, name, counted(pipeline, name, calls))
-    monkeypatch.setattr(solve, "_read", counted(solve, "_read", made))
-    monkeypatch.setattr(
-        plan_module, "_nodes_and_collectives", counted(plan_module, "_nodes_and_collectives", made)
-    )
-    monkeypatch.setattr(
-        autopar.Plan, "emitted_step_s", counted(autopar.Plan, "emitted_step_s", made)
-    )
-    reused = _small_gpt_plan()
-    assert reused.stats["overlap_rounds"]  # on h100 the rounds judge the emitted step
-    rounds = dict(calls)
-    judged = len(reused.stats["overlap_rounds"])
-    assert rounds["prefetch_measured"] == judged >= 1
-    # the first round's plan is ordered, in the traced order here, so no later round's is;
-    # the order stage takes the first round's ordering, or orders a later round's plan
-    first_kept = reused.stats["overlap_rounds"].index(min(reused.stats["overlap_rounds"])) == 0
-    assert rounds["order_step"] == (1 if first_kept else 2)
-    assert reused.order == () and reused.stats["order"] is False
-    # each round's solution read, its plan made and its step simulated once; the plan of
-    # the round kept is that round's, its step's length that round's
-    assert made == {"_read": judged, "_nodes_and_collectives": judged, "emitted_step_s": judged}
-    # the device's memory is far above this step's: no budget check measures a round's
-    # plan, and a round's length needs no measurement (core/schedule: the plan's order),
-    # so the pipeline measures the kept plan once (the memory stage, or while the solver
-    # awaited a round solved beside, ``_idle``, the shortest plan so far: the memory stage
-    # takes it; the order stage takes the traced order's peak from the solver's
-    # measurement)
-    assert len(unmeasured) == rounds["prefetch_measured"]
-    # (another round's plan may be measured while a round is awaited: its report is taken
-    # where that round is kept, and the plan is then the one made afresh, below)
-    assert [c for c, _ in sims if c != "idle"] in ([], ["_memory"]), sims
-    assert rounds["simulate"] == len(sims) <= judged + 1
-    sims.clear()
-    monkeypatch.setattr(pipeline, "_reused", lambda state: None)
-    read = solve.read_solution
-    monkeypatch.setattr(solve, "read_solution", lambda *args, like=None, **kw: read(*args, **kw))
-    made.update(dict.fromkeys(made, 0))
-    again = _small_gpt_plan()
-    # made again by the report stages: one more call of each, and the same plan
-    assert {k: calls[k] - rounds[k] for k in calls if k != "simulate"} == {
-        "order_step": 2,  # the first round's and the stage's
-        "prefetch_measured": rounds["prefetch_measured"] + 1,
-    }
-    assert [c for c, _ in sims if c != "idle"] == ["_memory"]  # the memory stage's
-    assert made == dict.fromkeys(made, judged + 1)
+def test_the_report_stages_take_the_kept_rounds_plan_and_it_is_the_plan_they_would_make():
+    """The overlap rounds judge each round's plan by the step it emits (passes/emit); the
+    report stages take what the kept round made of its solution, and that is the plan, the
+    memory and the step length they make anew from the solution alone."""
+    reused, state = _small_gpt_staged()
+    rounds = reused.stats["overlap_rounds"]
+    assert rounds  # on h100 the rounds judge the emitted step
+    kept = state.emitter.of(state.solve)
+    assert kept is not None and kept.prefetched is not None  # the kept round was judged
+    # the stages took the round's plan rather than making it again
+    assert state.plan.collectives is kept.prefetched.collectives
+    assert reused.cost["total_s"] == kept.length == min(rounds)
+    again, fresh = _small_gpt_staged(fresh=True)
+    assert fresh.emitter.of(fresh.solve) is None  # (nothing to take: each stage made its own)
     assert reused.to_json() == again.to_json()
     assert reused.stats["prefetched"] == again.stats["prefetched"] >= 1
+    assert reused.memory["step"] == again.memory["step"]
+    assert reused.cost["total_s"] == pytest.approx(again.cost["total_s"], rel=1e-12)
 
 
 def test_a_kept_plan_the_order_stage_reorders_is_made_again_in_that_order(monkeypatch):
@@ -258,7 +214,7 @@ def test_a_kept_plan_the_order_stage_reorders_is_made_again_in_that_order(monkey
     kept one otherwise, its buckets, prefetches, memory and step length are of that order:
     the plan the stages make with nothing taken from the rounds."""
     from autopar.core import roles
-    from autopar.passes import order, pipeline, solve
+    from autopar.passes import emit, order
 
     def swapped(space, gm, plan):  # two forward nodes side by side, neither reading the other
         names = list(space.order)
@@ -273,15 +229,13 @@ def test_a_kept_plan_the_order_stage_reorders_is_made_again_in_that_order(monkey
                 return order.Ordering(names, traced_peak=2, peak=1)  # (changed)
         raise AssertionError("no two independent forward nodes side by side")
 
-    monkeypatch.setattr(pipeline, "order_step", swapped)
-    reordered = _small_gpt_plan()
+    monkeypatch.setattr(emit, "order_step", swapped)
+    reordered, state = _small_gpt_staged()
     assert reordered.stats["order"] is True and reordered.order
+    assert reordered.stats["overlap_rounds"] and state.emitter.of(state.solve) is not None
     # the rounds' plans were in the traced order: the stages after the order made theirs
     # again, as without the rounds' (and the step's length is simulated in this order)
-    monkeypatch.setattr(pipeline, "_reused", lambda state: None)
-    read = solve.read_solution
-    monkeypatch.setattr(solve, "read_solution", lambda *args, like=None, **kw: read(*args, **kw))
-    again = _small_gpt_plan()
+    again, _ = _small_gpt_staged(fresh=True)
     assert reordered.to_json() == again.to_json()
     assert reordered.cost["total_s"] == pytest.approx(reordered.emitted_step_s(), rel=1e-12)
 

@@ -23,6 +23,7 @@ from autopar.passes import remat
 from autopar.passes import solve as solve_pass
 from autopar.passes.fold import fold_regions
 from autopar.passes.memory import liveness, measure, simulate
+from autopar.passes.solve import branches, highs
 from autopar.passes.strategies import build_strategies
 from autopar.passes.trace import trace_step
 from autopar.verify import run_measured
@@ -161,27 +162,27 @@ def _plan(example, fraction: float, mesh: autopar.Mesh = MESH) -> autopar.Plan:
 def test_the_solver_branches_on_checkpointing_and_finds_the_plan_of_the_whole_ilp(
     monkeypatch, fraction, checkpointed, want
 ):
-    # passes/solve ``_by_checkpointing``: the relaxations at r = 0 and r = 1 order the
+    # passes/solve ``branches.by_checkpointing``: the relaxations at r = 0 and r = 1 order the
     # branches; the second is solved only where its relaxation is below the first's plan.
     # The plan is that of the ILP solved whole (big-M terms for r), its objective within
     # the gap
-    branches = []
-    real = solve_pass._solve_copy
+    solved = []  # each branch solved: the checkpointing flags it fixed
+    real = highs.solve_copy
 
     def solve_copy(model, *args, **kwargs):
         flags = [v for v in model.variable if v.name.startswith("r_")]
-        branches.append([v.upper_bound for v in flags if v.lower_bound == v.upper_bound])
+        solved.append([v.upper_bound for v in flags if v.lower_bound == v.upper_bound])
         return real(model, *args, **kwargs)
 
-    monkeypatch.setattr(solve_pass, "_solve_copy", solve_copy)
+    monkeypatch.setattr(highs, "solve_copy", solve_copy)
     torch.manual_seed(0)
     example = EXAMPLES["gpt"]()
     mesh = autopar.Mesh((4,), ("dp",), device="cpu")
     split = _plan(example, fraction, mesh)
     assert bool(split.recompute) == checkpointed
     assert split.stats["peak_bytes"] <= split.stats["memory_budget"]
-    assert branches == want
-    monkeypatch.setattr(solve_pass, "_by_checkpointing", lambda *a: None)
+    assert solved == want
+    monkeypatch.setattr(branches, "by_checkpointing", lambda *a: None)
     whole = _plan(example, fraction, mesh)
     assert {r.region for r in whole.recompute} == {r.region for r in split.recompute}
     assert whole.cost["objective_s"] == pytest.approx(

@@ -29,7 +29,8 @@ from autopar.cost_models import compute_time, get_profile, redistribute_time
 from autopar.models import hf_llama, hf_logits_loss, lm_batch
 from autopar.passes.fold import fold_regions
 from autopar.passes.pins import Pin
-from autopar.passes.solve import SolveError, build_ilp, solve
+from autopar.passes.solve import SolveError, backend, build_ilp, driver, highs, overlap, solve
+from autopar.passes.solve import ilp as solve_ilp
 from autopar.passes.strategies import build_strategies
 from autopar.passes.trace import trace_step
 
@@ -200,13 +201,13 @@ def test_an_impossible_budget_names_the_smallest_feasible_one():
 def test_a_time_limit_with_a_plan_in_hand_is_reported(monkeypatch):
 
     space = _space(batch=64, hidden=1024, ffn=4096, data_parallel=False)
-    real_run = solve_pass._run
+    real_run = backend.run
 
     def stopped_early(ilp, time_limit_s, mip_gap):
         real_run(ilp, time_limit_s, mip_gap)
         return pywraplp.Solver.FEASIBLE  # what HiGHS says when the clock stops it
 
-    monkeypatch.setattr(solve_pass, "_run", stopped_early)
+    monkeypatch.setattr(backend, "run", stopped_early)
     sol = solve(space, time_limit_s=7)
     assert sol.stats["status"] == "time_limit"
     assert sol.stats["best_bound"] <= sol.stats["incumbent"] + 1e-12
@@ -214,12 +215,29 @@ def test_a_time_limit_with_a_plan_in_hand_is_reported(monkeypatch):
     assert "time limit of 7 s" in warning and "raise time_limit_s" in warning
 
 
+class _Judge:
+    """A ``StepJudge`` (passes/solve/rounds) whose ``prepare`` is the caller's work: it must
+    run on the caller's thread, once, while the first solve runs on another."""
+
+    def __init__(self, on_prepare=lambda: None):
+        self.on_prepare = on_prepare
+
+    def prepare(self) -> None:
+        self.on_prepare()
+
+    def length(self, solution) -> float:
+        return solution.objective_s
+
+    def idle(self) -> None:
+        pass
+
+
 @pytest.mark.parametrize("budget", [None, 1e12])
 def test_the_callers_work_runs_on_its_thread_while_the_first_solve_runs(monkeypatch, budget):
-    # ``meanwhile``: done once, on the caller's thread, while the first solve runs on
-    # another; the first solve waits until it has run, so done after it, it would time out
+    # the judge's ``prepare``: done once, on the caller's thread, while the first solve runs
+    # on another; the first solve waits until it has run, so done after it, it would time out
     space = _space(batch=8, hidden=1024, ffn=4096, data_parallel=True)
-    real_run = solve_pass._run
+    real_run = backend.run
     ran, solves = threading.Event(), []
     caller = threading.get_ident()
 
@@ -229,30 +247,30 @@ def test_the_callers_work_runs_on_its_thread_while_the_first_solve_runs(monkeypa
             assert ran.wait(30), "the caller's work did not run beside the first solve"
         return real_run(ilp, time_limit_s, mip_gap)
 
-    def meanwhile():
+    def prepare():
         assert threading.get_ident() == caller and not ran.is_set()
         ran.set()
 
-    monkeypatch.setattr(solve_pass, "_run", run)
-    sol = solve(space, memory_budget=budget, meanwhile=meanwhile)
+    monkeypatch.setattr(backend, "run", run)
+    sol = solve(space, memory_budget=budget, judge=_Judge(prepare))
     assert ran.is_set() and solves[0] != caller
     assert sol.objective_s == pytest.approx(solve(space, memory_budget=budget).objective_s)
 
     def failing(ilp, time_limit_s, mip_gap):
         raise RuntimeError("the solver failed")
 
-    monkeypatch.setattr(solve_pass, "_run", failing)  # raised on the caller's thread
+    monkeypatch.setattr(backend, "run", failing)  # raised on the caller's thread
     with pytest.raises(RuntimeError, match="the solver failed"):
-        solve(space, memory_budget=budget, meanwhile=lambda: None)
+        solve(space, memory_budget=budget, judge=_Judge())
 
 
 def test_no_plan_within_the_time_limit_is_an_error_that_says_so(monkeypatch):
 
     space = _space(batch=8, hidden=1024, ffn=4096, data_parallel=True)
-    monkeypatch.setattr(solve_pass, "_run", lambda *a: pywraplp.Solver.NOT_SOLVED)
+    monkeypatch.setattr(backend, "run", lambda *a: pywraplp.Solver.NOT_SOLVED)
     # the clock runs 5 s a reading: the solve took longer than its limit
     ticks = itertools.count(0.0, 5.0)
-    monkeypatch.setattr(solve_pass, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks)))
+    monkeypatch.setattr(driver, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks)))
     with pytest.raises(SolveError, match="no plan within its time limit of 3 s") as e:
         solve(space, time_limit_s=3, memory_budget=1e12)
     assert "raise time_limit_s" in str(e.value) and "memory" not in str(e.value).split(":")[0]
@@ -262,7 +280,7 @@ def test_a_solver_that_gives_up_before_its_time_limit_is_not_said_to_have_run_ou
     monkeypatch,
 ):
     space = _space(batch=8, hidden=1024, ffn=4096, data_parallel=True)
-    monkeypatch.setattr(solve_pass, "_run", lambda *a: pywraplp.Solver.NOT_SOLVED)
+    monkeypatch.setattr(backend, "run", lambda *a: pywraplp.Solver.NOT_SOLVED)
     with pytest.raises(SolveError, match="stopped without a plan after") as e:
         solve(space, time_limit_s=600, memory_budget=1e12)
     assert "before its time limit of 600 s" in str(e.value)
@@ -282,10 +300,10 @@ def _binary_model(rhs: float, profit: tuple[float, float]):
 
 def test_an_integral_relaxation_is_the_ilps_optimum_and_a_fractional_one_is_not_taken():
     # x + y <= 1: the relaxation's optimum is a vertex, x = 1, as the ILP's
-    values, value, bound = solve_pass._relaxed(_binary_model(1.0, (2.0, 1.0)), "HIGHS", 10.0)
+    values, value, bound = highs.relaxed(_binary_model(1.0, (2.0, 1.0)), "HIGHS", 10.0)
     assert values == [1.0, 0.0] and value == bound == 2.0
     # x + y <= 1.5: the relaxation takes half of y, the ILP cannot: solved as an ILP
-    assert solve_pass._relaxed(_binary_model(1.5, (2.0, 1.0)), "HIGHS", 10.0) is None
+    assert highs.relaxed(_binary_model(1.5, (2.0, 1.0)), "HIGHS", 10.0) is None
 
 
 def test_the_relaxation_runs_presolve_only_where_the_ilp_has_memory_cuts(monkeypatch):
@@ -293,13 +311,13 @@ def test_the_relaxation_runs_presolve_only_where_the_ilp_has_memory_cuts(monkeyp
     # of an ILP without cuts (it cost more than it spared), kept where cuts bound memory
     space = _space(batch=4096, hidden=1024, ffn=4096, data_parallel=True)
     calls = []
-    real = solve_pass._relaxation
+    real = highs.relaxation
 
     def relaxation(model, *args, presolve=True, **kwargs):
         calls.append((len(model.constraint), presolve))
         return real(model, *args, presolve=presolve, **kwargs)
 
-    monkeypatch.setattr(solve_pass, "_relaxation", relaxation)
+    monkeypatch.setattr(highs, "relaxation", relaxation)
     free = solve(space)
     assert calls and not any(presolve for _, presolve in calls)
     calls.clear()
@@ -307,7 +325,7 @@ def test_the_relaxation_runs_presolve_only_where_the_ilp_has_memory_cuts(monkeyp
     tight = solve(space, memory_budget=budget)
     # the first round has no cut; the rounds after it add them, and presolve with them
     assert not calls[0][1] and calls[-1][1] and calls[-1][0] > calls[0][0]
-    monkeypatch.setattr(solve_pass, "_relaxation", real)
+    monkeypatch.setattr(highs, "relaxation", real)
     # the plans are the ILP's either way
     assert free.choice == solve(space, mip_gap=0.0).choice
     assert tight.objective_s == pytest.approx(
@@ -319,13 +337,11 @@ def test_the_search_takes_the_relaxation_where_it_is_integral_and_the_ilp_elsewh
     space = _space(batch=64, hidden=1024, ffn=4096, data_parallel=False)
     exact = solve(space)
     taken = []
-    real = solve_pass._relaxed
-    monkeypatch.setattr(
-        solve_pass, "_relaxed", lambda *a, **k: taken.append(real(*a, **k)) or taken[-1]
-    )
+    real = highs.relaxed
+    monkeypatch.setattr(highs, "relaxed", lambda *a, **k: taken.append(real(*a, **k)) or taken[-1])
     assert solve(space).choice == exact.choice and taken and taken[-1] is not None
     # with no relaxation taken, the ILP itself gives the same plan
-    monkeypatch.setattr(solve_pass, "_relaxed", lambda *a, **k: None)
+    monkeypatch.setattr(highs, "relaxed", lambda *a, **k: None)
     again = solve(space)
     assert again.choice == exact.choice
     assert again.objective_s == pytest.approx(exact.objective_s, rel=1e-9)
@@ -335,22 +351,22 @@ def test_a_held_solution_is_read_after_a_later_solve():
     # the overlap rounds undo a round by reading the last plan again, not by solving again
     space = _space(batch=64, hidden=1024, ffn=4096, data_parallel=False)
     ilp = build_ilp(space, get_profile("h100"), solver="HIGHS")
-    assert solve_pass._solved(solve_pass._run(ilp, 60, 0.0))
+    assert highs.solved(backend.run(ilp, 60, 0.0))
     first, held = ilp.choice(), ilp.hold()
     (value, bound), h_vars = ilp.objective_value(), ilp.x["h"]
     # price the chosen strategy of h out of reach: the next solve picks another
     ilp.objective({**ilp.coef, **{v: 1e9 for v in h_vars[first["h"]]}})
-    assert solve_pass._solved(solve_pass._run(ilp, 60, 0.0))
+    assert highs.solved(backend.run(ilp, 60, 0.0))
     assert ilp.choice()["h"] != first["h"]
     ilp.restore(held)
     assert ilp.choice() == first and ilp.objective_value() == (value, bound)
-    solve_pass._run(ilp, 60, 0.0)  # a solve reads its own solution again, not the held one
+    backend.run(ilp, 60, 0.0)  # a solve reads its own solution again, not the held one
     assert ilp.held is not held and ilp.choice()["h"] != first["h"]
     # a variable a later round made (memory cuts make a fold group's r at its first use)
     # is not in the held solution: 0 there, as the plan held has none of it
     later = ilp.lp.BoolVar("r_later")
     ilp.lp.Add(later == 1)
-    assert solve_pass._solved(solve_pass._run(ilp, 60, 0.0)) and ilp.value(later) == 1
+    assert highs.solved(backend.run(ilp, 60, 0.0)) and ilp.value(later) == 1
     ilp.restore(held)
     assert ilp.value(later) == 0.0 and ilp.choice() == first
 
@@ -360,13 +376,13 @@ def test_what_is_read_of_a_held_solution_is_made_once_per_solution():
     # memory check, the step's length, the plan): made once while the solution is held
     space = _space(batch=64, hidden=1024, ffn=4096, data_parallel=False)
     ilp = build_ilp(space, get_profile("h100"), solver="HIGHS")
-    assert solve_pass._solved(solve_pass._run(ilp, 60, 0.0))
+    assert highs.solved(backend.run(ilp, 60, 0.0))
     held = ilp.held  # a solve in place holds its solution
     assert held is not None
-    first, step = ilp.choice(), ilp.overlap()
-    assert ilp.choice() is first and ilp.overlap() is step
+    first, step = ilp.choice(), overlap.overlap(ilp)
+    assert ilp.choice() is first and overlap.overlap(ilp) is step
     ilp.objective({**ilp.coef, **{v: 1e9 for v in ilp.x["h"][first["h"]]}})
-    assert solve_pass._solved(solve_pass._run(ilp, 60, 0.0))
+    assert highs.solved(backend.run(ilp, 60, 0.0))
     second = ilp.choice()
     assert second is not first and second["h"] != first["h"]
     ilp.restore(held)
@@ -394,7 +410,7 @@ def llama_layer() -> StrategySpace:
 
 
 def test_gradients_are_reduced_in_the_reduce_dtype(llama_layer, monkeypatch):
-    chain = solve_pass._gradient_chains(llama_layer, solve_pass._consumers(llama_layer))
+    chain = solve_ilp._gradient_chains(llama_layer, solve_ilp._consumers(llama_layer))
     # a weight's gradient: mm -> t -> cast to float32; a norm's: sum -> view -> cast
     assert {llama_layer.targets[n] for n in chain} >= {
         torch.ops.aten.t.default,
@@ -414,7 +430,7 @@ def test_gradients_are_reduced_in_the_reduce_dtype(llama_layer, monkeypatch):
     assert not reduced_before_the_cast(sol)
     assert any("->output[" in label and c.kind == "all_reduce" for label, c, _ in sol.collectives)
     # without the chains the solver reduces in bf16, before the cast, at half the bytes
-    monkeypatch.setattr(solve_pass, "_gradient_chains", lambda space, uses: set())
+    monkeypatch.setattr(solve_ilp, "_gradient_chains", lambda space, uses: set())
     loose = solve(llama_layer, merge=False)
     assert reduced_before_the_cast(loose)
     assert loose.objective_s < sol.objective_s
@@ -428,7 +444,7 @@ def test_a_following_node_read_twice_is_not_merged(llama_layer, monkeypatch):
     assert merged.objective_s == pytest.approx(exact.objective_s, rel=1e-6)
     # merging those too (a weight's transpose, read by two matmuls) loses here
     monkeypatch.setattr(
-        solve_pass.IlpBuilder, "_following", lambda ilp, n: solve_pass._follows(ilp.space, n)
+        solve_pass.IlpBuilder, "_following", lambda ilp, n: solve_ilp._follows(ilp.space, n)
     )
     every = solve(llama_layer)
     assert every.stats["merged_nodes"] > merged.stats["merged_nodes"]
@@ -446,7 +462,7 @@ def test_the_gap_reaches_highs_through_its_own_parameters():
     lp.SuppressOutput()
     lp.SetSolverSpecificParametersAsString("mip_rel_gap=not-a-number,output_flag=false")
     assert lp.Solve() not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE)
-    params = solve_pass._parameters(lp, "HIGHS", 0.0, quiet=True)
+    params = highs.parameters(lp, "HIGHS", 0.0, quiet=True)
     assert lp.Solve(params) == pywraplp.Solver.OPTIMAL
     assert x.solution_value() == 3
 
@@ -467,7 +483,7 @@ def test_a_budget_below_the_models_state_is_said_at_once_with_that_floor(monkeyp
     def never(*args, **kwargs):
         raise AssertionError("an ILP was built for a budget below the model's state")
 
-    monkeypatch.setattr(solve_pass, "build_ilp", never)
+    monkeypatch.setattr(driver, "build_ilp", never)
     with pytest.raises(SolveError, match="alone take at least") as e:
         solve(space, memory_budget=floor - 1024)
     assert e.value.floor_bytes == floor and e.value.least_bytes is None
@@ -494,7 +510,7 @@ def test_pinned_parameters_count_at_their_placement_in_the_floor(monkeypatch):
     assert floor == 2 * even  # each weight whole on both ranks, and its two moments
     one = solve_pass.state_floor(space, pins=[Pin("w1", "R"), Pin("w2", "S(1)")])
     assert even < one < floor
-    monkeypatch.setattr(solve_pass, "build_ilp", lambda *a, **k: pytest.fail("an ILP was built"))
+    monkeypatch.setattr(driver, "build_ilp", lambda *a, **k: pytest.fail("an ILP was built"))
     with pytest.raises(SolveError, match="the 2 pinned parameters as pinned") as e:
         solve(space, memory_budget=(even + floor) / 2, pins=replicated)
     assert e.value.floor_bytes == floor and "a mesh of at least" not in str(e.value)
