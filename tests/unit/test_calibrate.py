@@ -13,7 +13,6 @@ import torch
 import autopar
 from autopar.calibrate import (
     KINDS,
-    _profiled_ops,
     fit_link,
     host_table,
     kind_scales,
@@ -21,6 +20,7 @@ from autopar.calibrate import (
     measure_host_ops,
     median_of_means,
 )
+from autopar.calibration.host import _profiled_ops
 from autopar.cli import main
 from autopar.core import Collective, Mesh
 from autopar.cost_models import (
@@ -103,6 +103,7 @@ def test_fit_refuses_times_that_do_not_grow_with_size():
 def test_a_link_whose_times_do_not_grow_is_measured_again_with_larger_messages(monkeypatch):
     # a busy machine: the small messages' times sit in the noise of the fixed cost
     from autopar import calibrate
+    from autopar.calibration import link as link_module
 
     link = (30e-6, 8e-6, 2e9)
     asked = []
@@ -113,7 +114,7 @@ def test_a_link_whose_times_do_not_grow_is_measured_again_with_larger_messages(m
             return [(k, nproc, float(b), 1e-3) for k in KINDS for b in sizes]
         return [s for s in _samples(*link, ranks=(nproc,)) if s[2] in sizes]
 
-    monkeypatch.setattr(calibrate, "measure_collectives", measured)
+    monkeypatch.setattr(link_module, "measure_collectives", measured)
     logged = []
     samples, fit = calibrate.measure_link(2, [2**10, 2**14], 3, log=logged.append)
     assert asked == [[2**10, 2**14], [2**14, 2**18]]  # LARGER (16) times larger, once
@@ -130,6 +131,7 @@ def test_the_link_is_fitted_to_each_samples_median_over_the_passes(monkeypatch):
     # a pass moves with the machine's minute (``LINK_PASSES``): one slow pass and one fast
     # one beside a true one give the true link, where either alone gives another
     from autopar import calibrate
+    from autopar.calibration import link as link_module
 
     link = (300e-6, 40e-6, 2e9)
     true = _samples(*link, ranks=(2,))
@@ -137,7 +139,7 @@ def test_the_link_is_fitted_to_each_samples_median_over_the_passes(monkeypatch):
     fast = [(k, n, b, 0.7 * t) for k, n, b, t in true]
     assert calibrate.pool_samples([slow, true, fast]) == true
     assert calibrate.fit_link(slow)[0] == pytest.approx(1.6 * link[0], rel=1e-6)
-    monkeypatch.setattr(calibrate, "measure_collectives", pytest.fail)  # nothing measured
+    monkeypatch.setattr(link_module, "measure_collectives", pytest.fail)  # nothing measured
     samples, fit = calibrate.measure_link(
         2, sorted({s[2] for s in true}), 3, measured=[slow, fast, true]
     )
@@ -188,12 +190,12 @@ def test_a_curve_on_the_device_clock_leaves_out_the_hosts_call(monkeypatch):
     # each call costs the host 60 us to queue; its kernel runs 20 us (or 300 us) on the
     # device. Timed by the host (each call then a synchronize) the small one is 80 us;
     # queued behind enough lead work, its runs take 20 us a call on the device's clock.
-    from autopar import calibrate
+    from autopar.calibration import timing
 
     gpu = _Device()
-    monkeypatch.setattr(calibrate, "_sync", gpu.sync)
-    monkeypatch.setattr(calibrate, "_event", gpu.event)
-    monkeypatch.setattr(calibrate, "LEAD", 8)
+    monkeypatch.setattr(timing, "_sync", gpu.sync)
+    monkeypatch.setattr(timing, "_event", gpu.event)
+    monkeypatch.setattr(timing, "LEAD", 8)
     # a lead of 5 ms: the leads queued ahead of a run (at least two) outlast the host's
     # queueing of it by several ms, so a scheduler tick that takes the host away mid-run
     # (a CI machine's other processes) leaves the run on the device's clock; at 0.5 ms a
@@ -207,14 +209,14 @@ def test_a_curve_on_the_device_clock_leaves_out_the_hosts_call(monkeypatch):
 
         return fn
 
-    small, large = calibrate._queued_times(
+    small, large = timing._queued_times(
         [call(20e-6), call(300e-6)], torch.device("cpu"), reps=9, seconds=0.0
     )  # (the median of 9 rounds: a round the scheduler takes the host from is one of them)
     assert small == pytest.approx(20e-6, rel=0.25)
     assert large == pytest.approx(300e-6, rel=0.1)
     # with no lead the host sets the pace: what the leads are there to prevent
     monkeypatch.setattr(torch, "mm", lambda a, b: None)
-    (hostbound,) = calibrate._queued_times([call(20e-6)], torch.device("cpu"), 5, 0.0)
+    (hostbound,) = timing._queued_times([call(20e-6)], torch.device("cpu"), 5, 0.0)
     assert hostbound > 50e-6
 
 

@@ -69,8 +69,8 @@ def test_dispatch_mode_the_memory_probe_subclasses():
 
 
 def test_the_boxed_compiler_codegen_and_calibrate_run_graphs_with():
-    # passes/codegen compiles the partitioned graphs with it, autopar/calibrate times ops
-    # through it
+    # passes/codegen compiles the partitioned graphs with it, autopar/calibration/host.py
+    # times ops through it
     from torch._dynamo.backends.debugging import boxed_nop
 
     graph = torch.fx.Graph()
