@@ -482,20 +482,9 @@ def _check_inputs(model, example_inputs, loss_fn, example_targets):
     return example_inputs, targets
 
 
-def trace_step(
-    model: nn.Module,
-    example_inputs,
-    *,
-    loss_fn=None,
-    example_targets=None,
-    stack: contextlib.ExitStack,
-    meta_device: str = "cpu",
-    mp_policy: MixedPrecision | None = None,
-) -> StepGraph:
-    """Trace ``loss_fn(model(*example_inputs), *example_targets)`` into a joint graph
-    (meta tensors as fake tensors on ``meta_device``), under ``mp_policy``'s casts
-    (core/precision.py) when given."""
-    inputs, targets = _check_inputs(model, example_inputs, loss_fn, example_targets)
+def _tied_names(model: nn.Module) -> dict[str, str]:
+    """``StepGraph.alias_of``: each later name of a parameter tied under several -> its
+    first name."""
     first_name: dict[int, str] = {}
     alias_of: dict[str, str] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -503,11 +492,34 @@ def trace_step(
             alias_of[name] = first_name[id(p)]
         else:
             first_name[id(p)] = name
-    if any(t.is_meta for t in list(model.parameters()) + list(inputs + targets)):
-        model, inputs, targets = _meta_to_fake(model, inputs, targets, meta_device)
-    step = _Step(model, loss_fn, len(inputs))
-    args = inputs + targets
-    t0 = time.perf_counter()
+    return alias_of
+
+
+def _export_error(model: nn.Module, e: BaseException) -> TraceError:
+    """What ``torch.export`` failing on ``model`` means: the module that failed, the call
+    that raised, the first line of the error, and what autopar needs."""
+    where = _failing_module(model, e)
+    where_txt = f" in module '{where}'" if where else ""
+    call = re.search(
+        r'The following call raised this error:\s*File "([^"]+)", line (\d+), in \S+\s*\n'
+        r"\s*(.*)",
+        str(e),
+    )
+    at = f" at {call[1]}:{call[2]} ({call[3].strip()})" if call else ""
+    return TraceError(
+        f"torch.export could not trace {type(model).__name__}{where_txt}{at}: "
+        f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}\n"
+        "autopar needs a model torch.export can trace (no data-dependent Python control "
+        "flow, no unsupported ops); see the torch.export docs for the usual rewrites."
+    )
+
+
+def _export(
+    model: nn.Module, step: _Step, args: tuple, mp_policy: MixedPrecision | None
+) -> tuple[torch.export.ExportedProgram, list[str]]:
+    """``torch.export`` of ``step`` under the trace's modes (attention as ``autopar::sdpa``,
+    ``mp_policy``'s casts, masks as eager, no partial graph printed): the exported program
+    and the notes of the attention calls left as torch's."""
     attention = _TargetAttention()
     try:
         with (
@@ -518,33 +530,30 @@ def trace_step(
         ):
             ep = torch.export.export(step, args, strict=False)
     except Exception as e:  # noqa: BLE001 - rewrap with the module that failed
-        where = _failing_module(model, e)
-        where_txt = f" in module '{where}'" if where else ""
-        call = re.search(
-            r'The following call raised this error:\s*File "([^"]+)", line (\d+), in \S+\s*\n'
-            r"\s*(.*)",
-            str(e),
-        )
-        at = f" at {call[1]}:{call[2]} ({call[3].strip()})" if call else ""
-        raise TraceError(
-            f"torch.export could not trace {type(model).__name__}{where_txt}{at}: "
-            f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}\n"
-            "autopar needs a model torch.export can trace (no data-dependent Python control "
-            "flow, no unsupported ops); see the torch.export docs for the usual rewrites."
-        ) from e
-    exported = ep.module()
-    _constants_as_buffers(exported, ep)
-    # the step's own buffers, not the model's: a loss module's, and the constants above,
-    # the model's plain tensor attributes among them (taken before aot_autograd, whose fake
+        raise _export_error(model, e) from e
+    return ep, list(attention.notes)
+
+
+def _step_constants(model: nn.Module, exported: nn.Module) -> dict[str, torch.Tensor]:
+    """``StepGraph.constants``: the exported step's buffers that are not the model's."""
+    # a loss module's, and the constants ``_constants_as_buffers`` made buffers, the
+    # model's plain tensor attributes among them (taken before aot_autograd, whose fake
     # mode the stack holds open after it)
     own = {_PREFIX + n for n, _ in model.named_buffers(remove_duplicate=False)}
-    constants = {
+    return {
         _strip(name): b.detach()
         for name, b in exported.named_buffers(remove_duplicate=False)
         if name not in own
     }
+
+
+def _joint(
+    stack: contextlib.ExitStack, exported: nn.Module, args: tuple, model: nn.Module
+) -> JointWithDescriptors:
+    """aot_autograd's joint graph of the exported step, the ops without a sharding rule
+    decomposed."""
     try:
-        joint = aot_export_joint_with_descriptors(
+        return aot_export_joint_with_descriptors(
             stack,
             exported,
             args,
@@ -556,10 +565,12 @@ def trace_step(
             f"aot_autograd could not build the joint graph of {type(model).__name__}: "
             f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
         ) from e
-    gm = joint.graph_module
-    _drop_asserts(gm)
-    trace_s = time.perf_counter() - t0
 
+
+def _mark_roles(gm: torch.fx.GraphModule, n_inputs: int) -> tuple[list[str], list[str]]:
+    """Write ``autopar_role`` and ``autopar_module`` on every placeholder and operator
+    (module docstring; a backward node takes its forward node's module, by ``seq_nr``);
+    returns the parameter and buffer names in placeholder order."""
     param_names, buffer_names = [], []
     seq_module: dict[int, str] = {}
     for n in gm.graph.nodes:
@@ -572,7 +583,7 @@ def trace_step(
                 role = roles.BUFFER
                 buffer_names.append(_strip(desc.target))
             elif isinstance(desc, PlainAOTInput):
-                role = roles.INPUT if desc.idx < len(inputs) else roles.TARGET
+                role = roles.INPUT if desc.idx < n_inputs else roles.TARGET
             elif isinstance(desc, TangentAOTInput):
                 role = roles.TANGENT
             else:
@@ -589,8 +600,15 @@ def trace_step(
             elif not path and seq is not None:
                 path = seq_module.get(seq, "")
             n.meta[roles.META_MODULE] = path
+    return param_names, buffer_names
 
-    out = next(iter(gm.graph.find_nodes(op="output")))
+
+def _read_outputs(
+    out: torch.fx.Node, model: nn.Module
+) -> tuple[dict[int, str], dict[int, str], list[int]]:
+    """``(grad_of, mutated_buffers, plain)`` of the step's outputs, by their descriptors:
+    which parameter's gradient, which buffer's new value, and the plain outputs' positions.
+    An input other than a buffer changed in place is refused."""
     grad_of: dict[int, str] = {}
     mutated: dict[int, str] = {}
     plain: list[int] = []
@@ -607,13 +625,53 @@ def trace_step(
                     "running statistics): update a buffer, or return the new value"
                 )
             mutated[i] = _strip(desc.mutated_input.target)
+    return grad_of, mutated, plain
+
+
+def _check_loss(out, plain: list[int]) -> None:
+    """The loss (the first plain output of the output node ``out``) must be a scalar tensor."""
+    val = out.args[0][plain[0]].meta.get("val") if plain else None
+    if not isinstance(val, torch.Tensor) or val.numel() != 1:
+        raise TraceError(
+            f"loss_fn must return a scalar tensor, got "
+            f"{tuple(val.shape) if isinstance(val, torch.Tensor) else type(val).__name__}"
+        )
+
+
+def trace_step(
+    model: nn.Module,
+    example_inputs,
+    *,
+    loss_fn=None,
+    example_targets=None,
+    stack: contextlib.ExitStack,
+    meta_device: str = "cpu",
+    mp_policy: MixedPrecision | None = None,
+) -> StepGraph:
+    """Trace ``loss_fn(model(*example_inputs), *example_targets)`` into a joint graph
+    (meta tensors as fake tensors on ``meta_device``), under ``mp_policy``'s casts
+    (core/precision.py) when given."""
+    inputs, targets = _check_inputs(model, example_inputs, loss_fn, example_targets)
+    alias_of = _tied_names(model)
+    if any(t.is_meta for t in list(model.parameters()) + list(inputs + targets)):
+        model, inputs, targets = _meta_to_fake(model, inputs, targets, meta_device)
+    step = _Step(model, loss_fn, len(inputs))
+    args = inputs + targets
+    t0 = time.perf_counter()
+    ep, notes = _export(model, step, args, mp_policy)
+    exported = ep.module()
+    _constants_as_buffers(exported, ep)
+    constants = _step_constants(model, exported)
+    joint = _joint(stack, exported, args, model)
+    gm = joint.graph_module
+    _drop_asserts(gm)
+    trace_s = time.perf_counter() - t0
+
+    param_names, buffer_names = _mark_roles(gm, len(inputs))
+    out = next(iter(gm.graph.find_nodes(op="output")))
+    grad_of, mutated, plain = _read_outputs(out, model)
     if loss_fn is not None:
-        val = out.args[0][plain[0]].meta.get("val") if plain else None
-        if not isinstance(val, torch.Tensor) or val.numel() != 1:
-            raise TraceError(
-                f"loss_fn must return a scalar tensor, got "
-                f"{tuple(val.shape) if isinstance(val, torch.Tensor) else type(val).__name__}"
-            )
+        _check_loss(out, plain)
     return StepGraph(
         gm=gm,
         joint=joint,
@@ -627,7 +685,7 @@ def trace_step(
         n_outputs=len(plain),
         grad_of=grad_of,
         mutated_buffers=mutated,
-        notes=list(attention.notes),
+        notes=notes,
         alias_of=alias_of,
         trace_s=trace_s,
         constants=constants,
