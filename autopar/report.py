@@ -310,17 +310,13 @@ pre { background: #f6f6f6; padding: 10px; overflow-x: auto; }
 """
 
 
-def render_html(plan: Plan) -> str:
-    """The report page (module docstring) for ``plan``."""
-    t = tables(plan)
-    emitted = schedule(plan)
-    overlapped = schedule(plan, overlap=True)
-    emitted_s, overlapped_s = step_length(emitted), step_length(overlapped)
+def _figures(
+    plan: Plan, t: dict, emitted_s: float, overlapped_s: float, budget: float | None
+) -> list[list[str]]:
+    """The summary's rows: the mesh, the step's estimated and simulated times, the memory
+    per rank, checkpointing, collectives and versions."""
     cost = plan.cost
-    axes = list(plan.mesh.axis_names)
     memory = t["memory"]
-    budget = plan.stats.get("memory_budget")
-
     figures = [
         ["mesh", f"{plan.mesh}"],
         ["graph fingerprint", plan.fingerprint],
@@ -349,7 +345,57 @@ def render_html(plan: Plan) -> str:
         ["made by", f"autopar {plan.versions.get('autopar', '?')}, "
          f"torch {plan.versions.get('torch', '?')}"]
     )  # fmt: skip
+    return figures
 
+
+def _peak_rows(memory: dict, budget: float | None) -> list[list[str]]:
+    """Each category's bytes at the step's memory peak, its share of the peak and (given a
+    budget) of the budget; none without a memory timeline."""
+    at_peak = []
+    if memory:
+        for cat, nbytes in memory["at_peak"].items():
+            row = [cat.replace("_", " "), f"{nbytes / _MIB:,.2f}",
+                   f"{nbytes / memory['peak_bytes']:.1%}"]  # fmt: skip
+            at_peak.append(row + ([f"{nbytes / budget:.1%}"] if budget else []))
+    return at_peak
+
+
+def _solver_rows(stats: dict) -> tuple[list[list], list[list]]:
+    """The solver's statistics (its fold groups one row each) and each stage's seconds."""
+    solver_rows = [
+        [k.replace("_", " "), v]
+        for k, v in stats.items()
+        if k not in ("param_shapes", "fold_groups") and not k.endswith("_s")
+        and not isinstance(v, (dict, list))
+    ]  # fmt: skip
+    for g in stats.get("fold_groups", []):
+        solver_rows.append(["fold group", f"{g['instances']} x {g['nodes']} nodes: {g['regions']}"])
+    timing_rows = [[k[:-2], f"{v:,.3f}"] for k, v in stats.items() if k.endswith("_s")]
+    return solver_rows, timing_rows
+
+
+def _warnings(plan: Plan) -> list[str]:
+    """The plan's warnings, and one for the nodes replicated for lack of a sharding rule."""
+    warnings = list(plan.warnings)
+    if plan.fallback_nodes:
+        warnings.append(
+            f"{len(plan.fallback_nodes)} nodes replicated for lack of a sharding rule: "
+            + ", ".join(plan.fallback_nodes[:20])
+            + (", ..." if len(plan.fallback_nodes) > 20 else "")
+        )
+    return warnings
+
+
+def render_html(plan: Plan) -> str:
+    """The report page (module docstring) for ``plan``."""
+    t = tables(plan)
+    emitted = schedule(plan)
+    overlapped = schedule(plan, overlap=True)
+    emitted_s, overlapped_s = step_length(emitted), step_length(overlapped)
+    axes = list(plan.mesh.axis_names)
+    memory = t["memory"]
+    budget = plan.stats.get("memory_budget")
+    figures = _figures(plan, t, emitted_s, overlapped_s, budget)
     params = [
         [r["pattern"], r["count"], "x".join(map(str, r["shape"])) or "-", *r["placements"]]
         for r in t["parameters"]
@@ -363,31 +409,9 @@ def render_html(plan: Plan) -> str:
          _ms(c["time_s"])]
         for c in collective_rows(plan)
     ]  # fmt: skip
-    at_peak = []
-    if memory:
-        for cat, nbytes in memory["at_peak"].items():
-            row = [cat.replace("_", " "), f"{nbytes / _MIB:,.2f}",
-                   f"{nbytes / memory['peak_bytes']:.1%}"]  # fmt: skip
-            at_peak.append(row + ([f"{nbytes / budget:.1%}"] if budget else []))
-
-    stats = plan.stats
-    solver_rows = [
-        [k.replace("_", " "), v]
-        for k, v in stats.items()
-        if k not in ("param_shapes", "fold_groups") and not k.endswith("_s")
-        and not isinstance(v, (dict, list))
-    ]  # fmt: skip
-    for g in stats.get("fold_groups", []):
-        solver_rows.append(["fold group", f"{g['instances']} x {g['nodes']} nodes: {g['regions']}"])
-    timing_rows = [[k[:-2], f"{v:,.3f}"] for k, v in stats.items() if k.endswith("_s")]
-
-    warnings = list(plan.warnings)
-    if plan.fallback_nodes:
-        warnings.append(
-            f"{len(plan.fallback_nodes)} nodes replicated for lack of a sharding rule: "
-            + ", ".join(plan.fallback_nodes[:20])
-            + (", ..." if len(plan.fallback_nodes) > 20 else "")
-        )
+    at_peak = _peak_rows(memory, budget)
+    solver_rows, timing_rows = _solver_rows(plan.stats)
+    warnings = _warnings(plan)
 
     length = max(emitted_s, overlapped_s)
     body = [
