@@ -6,7 +6,15 @@ plans per-operator sharding over the mesh with an ILP on a cost model, and retur
 processes or weights.
 """
 
-from .api import PlanMismatchError, compile, evaluate, load_profile, plan, plan_step
+from .api import (
+    PlanMismatchError,
+    PlanOptions,
+    compile,
+    evaluate,
+    load_profile,
+    plan,
+    plan_step,
+)
 from .core import Mesh, MixedPrecision, NodeChoice, Plan, __version__, cast_parameters
 from .runtime import ParallelModule, PeerLostError
 
@@ -18,6 +26,7 @@ __all__ = [
     "Plan",
     "PeerLostError",
     "PlanMismatchError",
+    "PlanOptions",
     "compile",
     "evaluate",
     "load_profile",

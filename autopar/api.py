@@ -11,6 +11,7 @@ each stage and records its size in ``plan.stats``:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import hashlib
 import itertools
@@ -28,23 +29,26 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from . import plan_cache
-from .core import Mesh, MixedPrecision, Plan, parse_placements, placement_str
+from .core import Mesh, MixedPrecision, Plan
 from .cost_models import DeviceProfile, devices, register_profile
 from .passes.pins import Pin
 from .passes.pipeline import (
     COMPILE_STAGES,
-    DEFAULT_BUCKET_BYTES,
     PLAN_STAGES,
     REPORT_STAGES,
     TRACE,
     PlanOptions,
     State,
+    check_skip,
     run_stages,
 )
 from .passes.trace import StepGraph
 from .runtime import ParallelModule, empty_local_shards, init_local_shards
 
-__all__ = ["plan", "compile", "evaluate", "load_profile", "plan_step", "PlanMismatchError"]
+__all__ = [
+    "plan", "compile", "evaluate", "load_profile", "plan_options", "plan_step",
+    "PlanMismatchError", "PlanOptions",
+]  # fmt: skip
 
 log = logging.getLogger("autopar")
 
@@ -61,72 +65,19 @@ class PlanMismatchError(ValueError):
     """A plan given to ``compile`` was made for another graph or mesh."""
 
 
-def _options(
-    time_limit_s: float = 600.0,
-    memory_budget: float | None = None,
-    fold: bool = True,
-    skip=(),
-    optimizer: str = "adamw",
-    memory_fraction: float | None = None,
-    checkpointing: bool = True,
-    forbid=(),
-    constraints=None,
-    pins=(),
-    bucket_mb: float = DEFAULT_BUCKET_BYTES / 2**20,
-) -> PlanOptions:
-    return PlanOptions(
-        bucket_bytes=bucket_mb * 2**20,
-        constraints=_constraints(constraints),
-        pins=tuple(pins),
-        time_limit_s=time_limit_s,
-        memory_budget=memory_budget,
-        memory_fraction=memory_fraction,
-        skip=frozenset(skip) | (frozenset() if fold else {"fold"}),
-        optimizer=optimizer,
-        checkpointing=checkpointing,
-        forbid=tuple(tuple((str(n), str(t)) for n, t in choice) for choice in forbid),
-    )
+def plan_options(options: PlanOptions | None = None, /, **knobs) -> PlanOptions:
+    """The one ``PlanOptions`` of a call: ``options`` with ``knobs`` set (passes/options
+    ``PlanOptions.of``: its fields by name, ``fold``, ``bucket_mb``), its ``skip`` checked
+    against the pipeline's stages before anything runs."""
+    made = PlanOptions.of(options, **knobs)
+    check_skip(made.skip)
+    return made
 
 
-def _constraints(constraints) -> tuple[tuple[str, str], ...]:
-    """``{pattern: placements}`` as ``(pattern, "R,S(0)")`` pairs: the placements are torch
-    ``Placement``s (one per mesh axis) or their text (``"R,S(0)"``, ``["R", "S(0)"]``)."""
-    if not constraints:
-        return ()
-    out = []
-    for pattern, value in dict(constraints).items():
-        if str(pattern).startswith("reshard:") or pattern in ("sequence", "context"):  # rules
-            out.append((str(pattern), str(value)))
-            continue
-        if isinstance(value, str):
-            texts = [t.strip() for t in value.split(",")]
-        else:
-            texts = [v.strip() if isinstance(v, str) else placement_str(v) for v in value]
-        try:
-            parse_placements(texts)
-        except (ValueError, KeyError) as e:
-            raise ValueError(f"constraint {pattern!r}: {value!r} is not placements: {e}") from None
-        out.append((str(pattern), ",".join(texts)))
-    return tuple(out)
-
-
-def plan_step(
-    step: StepGraph,
-    mesh: Mesh,
-    *,
-    time_limit_s: float = 600.0,
-    memory_budget: float | None = None,
-    fold: bool = True,
-    skip=(),
-    optimizer: str = "adamw",
-    memory_fraction: float | None = None,
-    checkpointing: bool = True,
-) -> Plan:
-    """Plan an already traced step graph: ``PLAN_STAGES``, then ``Plan.from_solution``."""
-    options = _options(
-        time_limit_s, memory_budget, fold, skip, optimizer, memory_fraction, checkpointing
-    )
-    return _search(step, mesh, options)
+def plan_step(step: StepGraph, mesh: Mesh, options: PlanOptions | None = None, **knobs) -> Plan:
+    """Plan an already traced step graph: ``PLAN_STAGES``, then ``REPORT_STAGES``. ``options``
+    and ``knobs``: as ``plan`` takes them."""
+    return _search(step, mesh, plan_options(options, **knobs))
 
 
 def _search(step: StepGraph, mesh: Mesh, options: PlanOptions, stats: dict | None = None) -> Plan:
@@ -161,14 +112,18 @@ def reported(state: State) -> Plan:
     recorded = state.plan.stats
     run_stages(REPORT_STAGES, state, recorded, skip=state.options.skip)
     plan, report = state.plan, state.memory
-    if plan.stats is not recorded:  # a stage gave the plan stats of its own (prefetch's
-        # copy): what the stages after it recorded, their times too, go with the plan
-        plan.stats.update({k: v for k, v in recorded.items() if k not in plan.stats})
-    if report is not None:
-        plan.memory["step"] = report.to_dict()
-    # the step as emitted, in the order it runs; the solver's objective beside it
-    plan.cost.setdefault("objective_s", plan.cost["total_s"])
-    plan.cost["total_s"] = state.emitted_length()
+    stats = plan.stats
+    if stats is not recorded:  # a stage gave the plan stats of its own (the buckets', the
+        # prefetches' copy): what the stages after it recorded, their times too, go with it
+        stats = {**stats, **{k: v for k, v in recorded.items() if k not in stats}}
+    memory = plan.memory if report is None else {**plan.memory, "step": report.to_dict()}
+    # (the step is simulated in the order it runs: the memory timeline's)
+    state.plan = plan = dataclasses.replace(plan, stats=stats, memory=memory)
+    # the step as emitted; the solver's objective beside it
+    cost = dict(plan.cost)
+    cost.setdefault("objective_s", cost["total_s"])
+    cost["total_s"] = state.emitted_length()
+    state.plan = plan = dataclasses.replace(plan, cost=cost)
     return plan
 
 
@@ -223,71 +178,40 @@ def plan(
     *,
     loss_fn=None,
     example_targets=None,
-    time_limit_s: float = 600.0,
-    memory_budget: float | None = None,
-    fold: bool = True,
-    skip=(),
-    optimizer: str = "adamw",
-    memory_fraction: float | None = None,
+    options: PlanOptions | None = None,
     mp_policy: MixedPrecision | None = None,
-    checkpointing: bool = True,
     cache: bool = False,
-    forbid=(),
     fingerprint: str | None = None,
-    constraints=None,
-    bucket_mb: float = DEFAULT_BUCKET_BYTES / 2**20,
+    **knobs,
 ) -> Plan:
     """Plan ``model`` for ``mesh`` without processes or weights (a meta model works).
 
-    ``memory_budget``: the most bytes one rank may hold at any point of the step (its
-    parameters, gradients, optimizer state, saved activations, temporaries, collective
-    buffers and batch; passes/memory). Default: the device profile's usable memory
-    (``mem_capacity - mem_reserve``); ``math.inf`` for no bound. ``memory_fraction``:
-    instead, this fraction of what one device holds running the whole step.
-    ``fold``: give the instances of a repeated layer one set of choices (passes/fold);
-    False plans every node on its own (slower, for comparison): the same as
-    ``skip={"fold"}``. ``skip``: names of pipeline stages not to run (passes/pipeline).
-    ``optimizer``: whose state the step memory counts (``adamw``, ``sgd_momentum``,
-    ``sgd``, ``none``). ``mp_policy``: mixed precision (``autopar.MixedPrecision``, as
-    FSDP2's policy): compute in ``param_dtype`` from float32 parameters, gradients reduced
-    in ``reduce_dtype``; planned, priced and counted as the step runs it.
-    ``checkpointing``: where the budget binds, the solver may recompute layers'
-    activations in the backward instead of keeping them (priced in step time; passes/remat);
-    False keeps every activation. ``cache``: read the plan from the plan cache when the
-    same step was planned for the same mesh, profile, options and versions before, and
-    keep it there otherwise (autopar/plan_cache.py; the CLI's default). ``forbid``:
-    choices the plan may not make, each a sequence of ``(node, placements text)`` of which
-    the plan changes at least one (passes/solve; ``autopar explain``). ``fingerprint``:
-    the step graph the plan must be for (a saved plan's): ``PlanMismatchError`` if the model
-    traces to another, before any search. ``constraints``: placements fixed before the
-    search, ``{pattern: placements}`` with an ``fnmatch`` pattern over parameter names (or
-    ``"input:N"``, the N-th input, then the targets) and one torch placement per mesh axis,
-    or their text (``{"layers.*.wq.weight": (Replicate(), Shard(0)), "input:0": "S(0),R"}``;
-    passes/pins; ``autopar.experts`` has the usual ones); the solver chooses the rest.
-    ``bucket_mb``: the gradients reduced over one axis or several (all-reduced, or
-    reduce-scattered into sharded parameters) go in buckets of about this many MiB, each
-    issued once its last gradient is made (passes/buckets; DDP's default 25);
-    ``skip={"buckets"}`` reduces each gradient alone at the backward's end.
+    The planning options are ``PlanOptions``' fields (passes/options: each documented
+    there), given as ``options`` or as keywords (``knobs``) that set them, in the forms
+    ``PlanOptions.of`` takes: ``memory_budget`` (bytes per rank; default the device
+    profile's usable memory, ``math.inf`` for no bound) or ``memory_fraction``,
+    ``time_limit_s``, ``optimizer`` (``adamw``, ``sgd_momentum``, ``sgd``, ``none``),
+    ``checkpointing``, ``constraints`` (``{pattern: placements}``: passes/pins,
+    ``autopar.experts``), ``forbid`` (``autopar explain``), ``skip`` (pipeline stages not to
+    run), ``fold`` (False: ``skip={"fold"}``), ``bucket_mb`` (the gradient buckets' size in
+    MiB; DDP's default 25). An unknown keyword is a ``TypeError``.
+
+    ``mp_policy``: mixed precision (``autopar.MixedPrecision``, as FSDP2's policy): compute
+    in ``param_dtype`` from float32 parameters, gradients reduced in ``reduce_dtype``;
+    planned, priced and counted as the step runs it. ``cache``: read the plan from the plan
+    cache when the same step was planned for the same mesh, profile, options and versions
+    before, and keep it there otherwise (autopar/plan_cache.py; the CLI's default).
+    ``fingerprint``: the step graph the plan must be for (a saved plan's):
+    ``PlanMismatchError`` if the model traces to another, before any search.
     """
     if not isinstance(mesh, Mesh):
         raise TypeError(
             f"autopar.plan takes an autopar.Mesh, got {type(mesh).__name__}; "
             "for a torch DeviceMesh use autopar.Mesh.from_device_mesh(mesh)"
         )
-    options = _options(
-        time_limit_s,
-        memory_budget,
-        fold,
-        skip,
-        optimizer,
-        memory_fraction,
-        checkpointing,
-        forbid,
-        constraints,
-        bucket_mb=bucket_mb,
-    )
-    return _plan(model, mesh, example_inputs, loss_fn, example_targets, options, mp_policy,
-                 cache=cache, fingerprint=fingerprint)  # fmt: skip
+    return _plan(model, mesh, example_inputs, loss_fn, example_targets,
+                 plan_options(options, **knobs), mp_policy, cache=cache,
+                 fingerprint=fingerprint)  # fmt: skip
 
 
 def _plan(
@@ -321,9 +245,8 @@ def evaluate(
     *,
     loss_fn=None,
     example_targets=None,
-    optimizer: str = "adamw",
     mp_policy: MixedPrecision | None = None,
-    time_limit_s: float = 600.0,
+    **knobs,
 ) -> Plan:
     """The cost and memory of a given plan, as a ``Plan`` with the breakdown of a found one.
 
@@ -333,7 +256,11 @@ def evaluate(
     the batch, ``autopar.experts``; the solver places the rest at least cost, with no
     memory bound and nothing checkpointed, so that the peak says whether the expert plan
     fits: compare ``plan.memory["step"]["peak_bytes"]`` with the device's memory).
+    ``knobs``: the other planning options, as ``plan`` takes them (``optimizer``,
+    ``time_limit_s``, ...); the budget, the checkpointing and the placements are the
+    given plan's or, for constraints, as said.
     """
+    given_options = plan_options(**knobs)
     if isinstance(plan_or_constraints, Plan):
         given = plan_or_constraints
         if given.mesh != mesh:
@@ -343,15 +270,17 @@ def evaluate(
             for node, c in given.nodes.items()
             if c.out and c.out[0] is not None
         ]
-        budget = given.stats.get("memory_budget", math.inf)
-        options = _options(
-            time_limit_s, budget, bool(given.stats.get("fold", True)), (), optimizer,
-            checkpointing=bool(given.recompute), pins=pins,
-        )  # fmt: skip
+        options = plan_options(
+            given_options,
+            memory_budget=math.inf if given.memory_budget is None else given.memory_budget,
+            fold=given.folded,
+            checkpointing=bool(given.recompute),
+            pins=pins,
+        )
         fingerprint = given.fingerprint
     else:
-        options = _options(
-            time_limit_s, math.inf, True, (), optimizer, checkpointing=False,
+        options = plan_options(
+            given_options, memory_budget=math.inf, checkpointing=False,
             constraints=plan_or_constraints,
         )  # fmt: skip
         fingerprint = None
@@ -432,17 +361,11 @@ def compile(  # noqa: A001 - the documented name
     example_targets=None,
     plan: Plan | str | Path | None = None,
     device: str | None = None,
-    time_limit_s: float = 600.0,
-    memory_budget: float | None = None,
-    memory_fraction: float | None = None,
-    optimizer: str = "adamw",
+    options: PlanOptions | None = None,
     mp_policy: MixedPrecision | None = None,
-    checkpointing: bool = True,
-    fold: bool = True,
-    skip=(),
     init_weights: Callable[[nn.Module], None] | None = None,
     checkpoint: str | Path | None = None,
-    bucket_mb: float = DEFAULT_BUCKET_BYTES / 2**20,
+    **knobs,
 ) -> ParallelModule:
     """Plan ``model`` for the torch ``DeviceMesh`` ``mesh`` and return a ``ParallelModule``.
 
@@ -450,9 +373,9 @@ def compile(  # noqa: A001 - the documented name
     ``pm(*local_inputs, *local_targets)`` returns the global loss on every rank; without it,
     ``pm(*local_inputs)`` returns the outputs of the local batch. ``plan`` (a ``Plan`` or the
     path of its JSON) skips planning. ``device`` names the cost profile (default: h100 on
-    cuda, cpu otherwise). ``memory_budget``, ``memory_fraction``, ``optimizer``, ``checkpointing``, ``bucket_mb``,
-    ``mp_policy``, ``fold``, ``skip``: as in ``plan`` (the parameters stay float32 DTensors;
-    ``pm`` computes in ``mp_policy.param_dtype``). The codegen stage's time and size are
+    cuda, cpu otherwise). ``options`` and ``knobs`` (the planning options: ``memory_budget``,
+    ``optimizer``, ``skip``, ...) and ``mp_policy``: as ``plan`` takes them (the parameters
+    stay float32 DTensors; ``pm`` computes in ``mp_policy.param_dtype``). The codegen stage's time and size are
     in ``pm.stats``.
 
     A model on the meta device is materialized as this rank's shards only (runtime/init):
@@ -471,10 +394,7 @@ def compile(  # noqa: A001 - the documented name
     if init_weights is not None and checkpoint is not None:
         raise ValueError("pass init_weights or checkpoint, not both")
     amesh = Mesh.from_device_mesh(mesh, device)
-    options = _options(
-        time_limit_s, memory_budget, fold, skip, optimizer, memory_fraction, checkpointing,
-        bucket_mb=bucket_mb,
-    )  # fmt: skip
+    options = plan_options(options, **knobs)
     if isinstance(plan, (str, Path)):
         plan = Plan.load(plan)
     if plan is not None:

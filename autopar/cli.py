@@ -22,13 +22,18 @@ stderr and exit status 2; a mismatch or a failed run is exit status 1.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
+import operator
 import os
 import re
 import sys
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from rich.console import Console
@@ -79,21 +84,14 @@ def plan_example(
     mesh,
     *,
     batch: int = 8,
-    memory_budget: float | None = None,
-    memory_fraction: float | None = None,
     verbose: bool = False,
-    fold: bool = True,
     mp_policy=None,
-    checkpointing: bool = True,
     cache: bool = False,
-    forbid=(),
     fingerprint: str | None = None,
+    **knobs,
 ):
-    """Plan a zoo example (or ``file.py:factory``) on the meta device for ``mesh``.
-
-    ``memory_fraction`` sets the memory budget to that fraction of what one device holds
-    running the whole step.
-    """
+    """Plan a zoo example (or ``file.py:factory``) on the meta device for ``mesh``;
+    ``knobs``: the planning options, as ``autopar.plan`` takes them (passes/options)."""
     model, inputs, loss_fn, targets = build_example(name, batch=batch)
     model = model.to("meta")
     inputs = tuple(t.to("meta") for t in inputs)
@@ -106,14 +104,10 @@ def plan_example(
             inputs,
             loss_fn=loss_fn,
             example_targets=targets,
-            memory_budget=memory_budget,
-            memory_fraction=memory_fraction,
-            fold=fold,
             mp_policy=mp_policy,
-            checkpointing=checkpointing,
             cache=cache,
-            forbid=forbid,
             fingerprint=fingerprint,
+            **knobs,
         )
 
 
@@ -153,30 +147,20 @@ def cmd_plan(args) -> int:
     out = Output(args)
     shape = args.mesh
     mesh = Mesh(shape, _axes(shape, args.axes), device=_device(args))
-    budget = None if args.memory_budget_mib is None else args.memory_budget_mib * 2**20
+    knobs = _plan_knobs(args)
     with stage_progress(out.text):  # a long plan is not silent
         plan = plan_example(
             args.model,
             mesh,
             batch=args.batch,
-            memory_budget=budget,
-            memory_fraction=args.memory_fraction,
             verbose=args.verbose,
             mp_policy=_PRECISIONS[args.precision],
-            fold=not args.no_fold,
-            checkpointing=not args.no_checkpointing,
             cache=not args.no_cache,
+            **knobs,
         )
     # how to rebuild the step (autopar explain)
-    plan.stats["source"] = {
-        "model": args.model,
-        "batch": args.batch,
-        "precision": args.precision,
-        "fold": not args.no_fold,
-        "checkpointing": not args.no_checkpointing,
-        "memory_budget": budget,
-        "memory_fraction": args.memory_fraction,
-    }
+    source = {"model": args.model, "batch": args.batch, "precision": args.precision, **knobs}
+    plan = dataclasses.replace(plan, stats={**plan.stats, "source": source}, source=source)
     if args.out:
         plan.save(args.out, timings=True)
     if out.as_json:
@@ -222,14 +206,11 @@ def _replanner(plan: Plan, args):
             source["model"],
             plan.mesh,
             batch=source["batch"],
-            memory_budget=source.get("memory_budget"),
-            memory_fraction=source.get("memory_fraction"),
             mp_policy=_PRECISIONS[source.get("precision", "model")],
-            fold=source.get("fold", True),
-            checkpointing=source.get("checkpointing", True),
             forbid=forbid,
             cache=not args.no_cache,
             fingerprint=plan.fingerprint,
+            **{f.knob: source[f.knob] for f in PLAN_FLAGS if f.knob in source},
         )
 
     return replan
@@ -472,6 +453,54 @@ def _positive(text: str) -> float:
     return value
 
 
+@dataclass(frozen=True)
+class Flag:
+    """One planning flag of ``autopar plan``: the argparse arguments that make it and the
+    planning option it sets (passes/options ``PlanOptions.of``'s keyword ``knob``, from the
+    parsed value by ``value``). A saved plan records the options its flags set
+    (``plan.source``), and ``autopar explain`` plans its alternatives with them."""
+
+    names: tuple[str, ...]
+    knob: str
+    value: Callable[[Any], Any]
+    argparse: dict
+
+
+def _mib(v: float | None) -> float | None:
+    return None if v is None else v * 2**20
+
+
+PLAN_FLAGS = (
+    Flag(("--no-fold",), "fold", operator.not_, dict(
+        action="store_true", help="plan every layer on its own (no folding)",
+    )),
+    Flag(("--no-checkpointing",), "checkpointing", operator.not_, dict(
+        action="store_true",
+        help="keep every activation (by default, where the budget binds, the plan may "
+        "recompute layers' activations in the backward)",
+    )),
+    Flag(("--memory-budget-mib",), "memory_budget", _mib, dict(
+        type=_positive, default=None,
+        help="the most MiB one rank may hold at any point of the step (default: the "
+        "device profile's usable memory)",
+    )),
+    Flag(("--memory-fraction",), "memory_fraction", lambda v: v, dict(
+        type=_positive, default=None,
+        help="instead, a fraction of what one device holds running the whole step",
+    )),
+)  # fmt: skip
+"""The planning options ``autopar plan`` takes as flags: a new option is one entry here."""
+
+
+def _dest(flag: Flag) -> str:
+    return flag.names[0].lstrip("-").replace("-", "_")
+
+
+def _plan_knobs(args) -> dict:
+    """The planning options the parsed flags of ``PLAN_FLAGS`` set."""
+    return {f.knob: f.value(getattr(args, _dest(f))) for f in PLAN_FLAGS}
+
+
 def _model_args(p, *, default_mesh=(2, 2)) -> None:
     p.add_argument(
         "--mesh", type=_mesh_shape, default=default_mesh,
@@ -492,23 +521,8 @@ def _run_args(p, *, steps: int) -> None:
     )
 
 
-def main(argv=None) -> int:
-    common = argparse.ArgumentParser(add_help=False)
-    quiet = common.add_mutually_exclusive_group()
-    quiet.add_argument(
-        "-q", "--quiet", action="store_true", help="print nothing but errors (exit status tells)"
-    )
-    quiet.add_argument(
-        "--json", action="store_true", help="print one JSON document on stdout, nothing else"
-    )
-    p = argparse.ArgumentParser(
-        prog="autopar",
-        description="Plan a PyTorch training step over a device mesh, inspect the plan, and "
-        "run it. Each command has --help.",
-    )
-    p.add_argument("--version", action="version", version=f"autopar {__version__}")
-    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
-
+def _plan_parser(sub, common) -> None:
+    """``autopar plan``: the model, the mesh, the device, the planning options (``PLAN_FLAGS``)."""
     pp = sub.add_parser("plan", parents=[common], help="plan a model for a mesh; print the plan")
     pp.add_argument(
         "model",
@@ -523,34 +537,14 @@ def main(argv=None) -> int:
         help="a device profile's JSON (autopar calibrate) to plan with, instead of --device",
     )
     pp.add_argument(
-        "--memory-budget-mib",
-        type=_positive,
-        default=None,
-        help="the most MiB one rank may hold at any point of the step (default: the "
-        "device profile's usable memory)",
-    )
-    pp.add_argument(
-        "--memory-fraction",
-        type=_positive,
-        default=None,
-        help="instead, a fraction of what one device holds running the whole step",
-    )
-    pp.add_argument(
         "--precision",
         choices=sorted(_PRECISIONS),
         default="model",
         help="model: the model's own dtype; bf16-mixed: float32 parameters and AdamW state, "
         "bf16 compute, gradients reduced in float32",
     )
-    pp.add_argument(
-        "--no-fold", action="store_true", help="plan every layer on its own (no folding)"
-    )
-    pp.add_argument(
-        "--no-checkpointing",
-        action="store_true",
-        help="keep every activation (by default, where the budget binds, the plan may "
-        "recompute layers' activations in the backward)",
-    )
+    for flag in PLAN_FLAGS:
+        pp.add_argument(*flag.names, **flag.argparse)
     pp.add_argument(
         "--no-cache",
         action="store_true",
@@ -561,11 +555,17 @@ def main(argv=None) -> int:
     pp.add_argument("-v", "--verbose", action="store_true", help="show warnings")
     pp.set_defaults(fn=cmd_plan)
 
+
+def _show_parser(sub, common) -> None:
+    """``autopar show``."""
     ps = sub.add_parser("show", parents=[common], help="print a saved plan as tables")
     ps.add_argument("plan", help="a plan's JSON (autopar plan --out, Plan.save)")
     ps.add_argument("--width", type=int, default=None, help="columns (default: the terminal's)")
     ps.set_defaults(fn=cmd_show)
 
+
+def _diff_parser(sub, common) -> None:
+    """``autopar diff``."""
     pf = sub.add_parser(
         "diff", parents=[common], help="what two saved plans chose differently, and its cost"
     )
@@ -579,6 +579,9 @@ def main(argv=None) -> int:
     )
     pf.set_defaults(fn=cmd_diff)
 
+
+def _explain_parser(sub, common) -> None:
+    """``autopar explain``."""
     pe = sub.add_parser(
         "explain",
         parents=[common],
@@ -608,6 +611,9 @@ def main(argv=None) -> int:
     pe.add_argument("--width", type=int, default=None, help="columns (default: the terminal's)")
     pe.set_defaults(fn=cmd_explain)
 
+
+def _report_parser(sub, common) -> None:
+    """``autopar report``."""
     pr = sub.add_parser(
         "report", parents=[common], help="write a saved plan as one self-contained HTML report"
     )
@@ -620,6 +626,9 @@ def main(argv=None) -> int:
     )
     pr.set_defaults(fn=cmd_report)
 
+
+def _verify_parser(sub, common) -> None:
+    """``autopar verify``."""
     pv = sub.add_parser(
         "verify",
         parents=[common],
@@ -642,6 +651,9 @@ def main(argv=None) -> int:
     )
     pv.set_defaults(fn=cmd_verify)
 
+
+def _run_parser(sub, common) -> None:
+    """``autopar run``."""
     pn = sub.add_parser(
         "run",
         parents=[common],
@@ -656,6 +668,9 @@ def main(argv=None) -> int:
     )
     pn.set_defaults(fn=cmd_run)
 
+
+def _demo_parser(sub, common) -> None:
+    """``autopar demo``."""
     pd = sub.add_parser(
         "demo",
         parents=[common],
@@ -673,6 +688,9 @@ def main(argv=None) -> int:
     )
     pd.set_defaults(fn=cmd_demo)
 
+
+def _calibrate_parser(sub, common) -> None:
+    """``autopar calibrate``."""
     pc = sub.add_parser(
         "calibrate",
         parents=[common],
@@ -696,7 +714,39 @@ def main(argv=None) -> int:
     pc.add_argument("--quick", action="store_true", help="few small sizes (seconds, rough)")
     pc.set_defaults(fn=cmd_calibrate)
 
-    args = p.parse_args(argv)
+
+_PARSERS = (
+    _plan_parser, _show_parser, _diff_parser, _explain_parser, _report_parser, _verify_parser,
+    _run_parser, _demo_parser, _calibrate_parser,
+)  # fmt: skip
+"""Each command's parser, in the order ``autopar --help`` lists them."""
+
+
+def parser() -> argparse.ArgumentParser:
+    """The ``autopar`` command's parser: every command's (``_PARSERS``), each with the
+    common ``--quiet`` / ``--json``."""
+    common = argparse.ArgumentParser(add_help=False)
+    quiet = common.add_mutually_exclusive_group()
+    quiet.add_argument(
+        "-q", "--quiet", action="store_true", help="print nothing but errors (exit status tells)"
+    )
+    quiet.add_argument(
+        "--json", action="store_true", help="print one JSON document on stdout, nothing else"
+    )
+    p = argparse.ArgumentParser(
+        prog="autopar",
+        description="Plan a PyTorch training step over a device mesh, inspect the plan, and "
+        "run it. Each command has --help.",
+    )
+    p.add_argument("--version", action="version", version=f"autopar {__version__}")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    for add in _PARSERS:
+        add(sub, common)
+    return p
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
     try:
         return args.fn(args)
     except (ValueError, TypeError, KeyError, OSError, RuntimeError, ImportError) as e:

@@ -95,8 +95,8 @@ def diff_plans(a: Plan, b: Plan) -> dict:
         out = dict(step.get("at_peak", {}))
         if step:
             out["peak"] = step["peak_bytes"]
-        if p.stats.get("memory_budget"):
-            out["budget"] = int(p.stats["memory_budget"])
+        if p.memory_budget:
+            out["budget"] = int(p.memory_budget)
         out["parameters (stored)"] = p.memory.get("param_bytes_per_rank", 0)
         return out
 

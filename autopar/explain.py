@@ -15,7 +15,7 @@ group) and compares the two plans:
       says the smallest budget that would), or when the alternative is held at the budget;
       otherwise the part whose cost rises most, a mesh axis's communication or compute.
 
-The step is rebuilt from what the plan records of its making (``stats["source"]``, written
+The step is rebuilt from what the plan records of its making (``plan.source``, written
 by ``autopar plan``: the model, batch, precision and options), or from ``model=``; its
 traced graph must be the plan's (same fingerprint).
 
@@ -58,7 +58,7 @@ within this relative gap of the optimum, either plan could be the other's equal.
 
 def source_of(plan: Plan, model: str | None = None, batch: int | None = None) -> dict:
     """How to rebuild ``plan``'s step: its recorded source, ``model``/``batch`` overriding."""
-    source = dict(plan.stats.get("source") or {})
+    source = dict(plan.source)
     if model is not None:
         source["model"] = model
     if batch is not None:
@@ -105,7 +105,7 @@ def _parts(plan: Plan) -> dict[str, float]:
     parts: dict[str, float] = defaultdict(float)
     parts["compute"] = plan.cost.get("compute_s", 0.0)
     for c in plan.collectives:
-        parts[f"{c['kind']} on {c['axis']}"] += c.get("time_s", 0.0)
+        parts[f"{c.kind} on {c.axis}"] += c.time_s
     listed = sum(parts.values())
     parts[_REST] = plan.cost.get("total_s", listed) - listed
     return dict(parts)
@@ -132,7 +132,7 @@ def _binds(plan: Plan, alt: Plan, deltas: dict[str, float]) -> str:
         else:
             kind, axis = part.split(" on ")
             cost = f"communication on axis {axis}: +{worst * 1e3:,.4f} ms of {kind} per step"
-    budget = alt.stats.get("memory_budget")
+    budget = alt.memory_budget
     step = alt.memory.get("step") or {}
     if budget and step and step["peak_bytes"] >= 0.99 * budget:
         cost += (
@@ -178,7 +178,7 @@ def explain(
         deltas_s=deltas,
         peak_bytes=step_a.get("peak_bytes"),
         alternative_peak_bytes=step_b.get("peak_bytes"),
-        budget_bytes=plan.stats.get("memory_budget"),
+        budget_bytes=plan.memory_budget,
         binds=_binds(plan, alt, deltas),
         alternative_plan=alt,
     )

@@ -99,14 +99,14 @@ def load(k: str) -> Plan | None:
     except (ValueError, KeyError, TypeError, OSError):
         log.info("autopar: plan cache: %s does not read back; planning again", path)
         return None
-    plan.stats["cache_s"] = time.perf_counter() - t0
+    stats = {**plan.stats, "cache_s": time.perf_counter() - t0}
     log.info("autopar: plan cache hit (%s)", path)
-    return plan
+    return dataclasses.replace(plan, stats=stats)
 
 
 def store(k: str, plan: Plan) -> None:
     """Keep ``plan`` under key ``k`` (not a plan the solver's time limit stopped)."""
-    if plan.stats.get("status") == "time_limit":
+    if plan.solver_status == "time_limit":
         return
     path = _path(k)
     try:

@@ -228,7 +228,7 @@ def _memory_svg(plan: Plan) -> str:
         return "<p>This plan holds no step-memory timeline.</p>"
     totals = [sum(timeline[c][i] for c in cats) for i in range(len(nodes))]
     keep = _downsample(totals, MAX_MEMORY_POINTS)
-    budget = plan.stats.get("memory_budget")
+    budget = plan.memory_budget
     peak = step.get("peak_bytes", max(totals))
     top = max([peak, max(totals)] + ([budget] if budget else [])) * 1.08 or 1.0
     left, height, plot_h = 90, 330, 280
@@ -394,7 +394,7 @@ def render_html(plan: Plan) -> str:
     emitted_s, overlapped_s = step_length(emitted), step_length(overlapped)
     axes = list(plan.mesh.axis_names)
     memory = t["memory"]
-    budget = plan.stats.get("memory_budget")
+    budget = plan.memory_budget
     figures = _figures(plan, t, emitted_s, overlapped_s, budget)
     params = [
         [r["pattern"], r["count"], "x".join(map(str, r["shape"])) or "-", *r["placements"]]

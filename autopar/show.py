@@ -66,10 +66,10 @@ def collective_rows(plan: Plan) -> list[dict]:
     between operators), kind and mesh axis, sorted."""
     by: dict[tuple, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
     for c in plan.collectives:
-        acc = by[(purpose(c), c["kind"], c["axis"])]
+        acc = by[(purpose(c), c.kind, c.axis)]
         acc[0] += 1
-        acc[1] += c["nbytes"]
-        acc[2] += c.get("time_s", 0.0)
+        acc[1] += c.nbytes
+        acc[2] += c.time_s
     return [
         {"purpose": p, "kind": k, "axis": a, "count": int(n), "bytes": int(b), "time_s": t}
         for (p, k, a), (n, b, t) in sorted(by.items())
@@ -85,7 +85,7 @@ def tables(plan: Plan) -> dict:
             "peak_bytes": step["peak_bytes"],
             "peak_node": step["peak_node"],
             "optimizer": step["optimizer"],
-            "budget_bytes": plan.stats.get("memory_budget"),
+            "budget_bytes": plan.memory_budget,
             "at_peak": {c: n for c, n in step["at_peak"].items() if n},
         }
     return {

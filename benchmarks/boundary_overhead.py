@@ -113,7 +113,7 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--check",
         action="store_true",
-        help=f"fail if the boundary costs > {TARGET:.0%} of the step",
+        help=f"fail if the boundary costs > {TARGET:.0%}% of the step",
     )
     ap.add_argument("--reps", type=int, default=15)
     args = ap.parse_args(argv)

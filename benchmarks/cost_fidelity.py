@@ -90,10 +90,10 @@ CASES = [
 def _on_gloo(plan) -> dict:
     out: dict = {}
     for c in plan.collectives:
-        kind, nbytes = c["kind"], c["nbytes"]
+        kind, nbytes = c.kind, c.nbytes
         if kind == "all_to_all":  # gloo has none: DTensor gathers the whole buffer
-            kind, nbytes = "all_gather", nbytes * c["group_size"]
-        out[(kind, c["axis"])] = out.get((kind, c["axis"]), 0) + nbytes
+            kind, nbytes = "all_gather", nbytes * c.group_size
+        out[(kind, c.axis)] = out.get((kind, c.axis), 0) + nbytes
     return out
 
 

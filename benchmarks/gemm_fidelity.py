@@ -221,7 +221,7 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--check",
         action="store_true",
-        help=f"fail where a layer's or head's sum is off by >{TARGET:.0%}",
+        help=f"fail where a layer's or head's sum is off by >{TARGET:.0%}%",
     )
     args = ap.parse_args(argv)
     profile = (

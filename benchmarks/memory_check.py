@@ -202,7 +202,7 @@ def _gpu_table() -> float:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--check", action="store_true", help=f"fail if off by more than {TARGET:.0%}")
+    ap.add_argument("--check", action="store_true", help=f"fail if off by more than {TARGET:.0%}%")
     ap.add_argument("--gpu-only", action="store_true", help="only the CUDA table")
     args = ap.parse_args(argv)
     if torch.cuda.is_available():

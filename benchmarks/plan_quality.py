@@ -119,9 +119,9 @@ def _choices(plan: autopar.Plan, mesh: autopar.Mesh) -> list[str]:
     at_loss, undone, moved = "n/a", "n/a", "n/a"
     if loss:
         between = set(names[names.index(head_name) : names.index(loss[0]) + 1])
-        cs = [c for c in plan.collectives if set(edge_ends(c["edge"])) <= between]
-        kinds = ", ".join(sorted({f"{c['kind']} over {c['axis']}" for c in cs}))
-        moved = f"{kinds} ({sum(c['time_s'] for c in cs) * 1e3:.1f} ms)" if cs else "-"
+        cs = [c for c in plan.collectives if set(edge_ends(c.edge)) <= between]
+        kinds = ", ".join(sorted({f"{c.kind} over {c.axis}" for c in cs}))
+        moved = f"{kinds} ({sum(c.time_s for c in cs) * 1e3:.1f} ms)" if cs else "-"
         logits = plan.nodes[loss[0]].ins[0]
         at_loss = _axes(logits, mesh, lambda p: p == "S(1)")
         undone = "+".join(

@@ -15,7 +15,7 @@ profile ``--device``. One row per model:
   is a Shard, over all weight bytes (a tied parameter counted once);
 - no-rule ops: how many nodes are replicated for lack of a sharding rule
   (``plan.fallback_nodes``), and their distinct op names;
-- solver: the solver's status (``plan.stats["status"]``);
+- solver: the solver's status (``plan.solver_status``);
 - plan s: wall seconds of ``plan_example`` (build on meta, trace, search).
 
 Under the table, per model, the module paths of the no-rule ops (layer numbers as ``*``)
@@ -138,7 +138,7 @@ def plan_one(name: str, mesh) -> tuple[list[str], list[str], bool]:
         f"{100 * dp:.1f}",
         str(len(plan.fallback_nodes)),
         ", ".join(f"{op} x{k}" for op, k in sorted(ops.items())) or "-",
-        str(plan.stats.get("status", "?")),
+        plan.solver_status or "?",
         f"{seconds:.1f}",
     ]
     notes = []

@@ -2,8 +2,10 @@
 each issued as soon as its last gradient is made.
 
 Takes: the ``StrategySpace`` (its sinks, tensors) and an assembled ``Plan`` (its
-collectives, its order). Returns: the plan with each bucket's members replaced in
-``plan.collectives`` by one collective, and ``plan.cost`` repriced.
+collectives, its order, its memory budget and the solver's peak). Returns: a new plan with
+each bucket's members replaced in ``plan.collectives`` by its collectives (one
+``PlannedCollective`` per step), ``plan.cost`` repriced, ``plan.overlaps_collectives`` set
+from the profile, and the statistics below added to a copy of ``plan.stats``.
 
 Which reductions: a gradient (a sink ``like`` a parameter) whose redistribution to its
 parameter's placement reduces a Partial on one mesh axis or several, every other axis
@@ -84,13 +86,13 @@ Memory. The solver bounds the step with every gradient reduced at the graph's en
 time (passes/solve, passes/memory). A bucket holds its members from the first one made to
 its issue, and its flat input beside them where it is issued (to its wait, where that is
 later): a bucket of many gradients issued late can peak above the plan's memory budget
-(``stats["memory_budget"]``) where the solver's step did not. ``bucket_measured`` measures
+(``plan.memory_budget``) where the solver's step did not. ``bucket_measured`` measures
 the bucketed step (passes/memory ``simulate``); while its peak is above the budget, each
 bucket that holds bytes at the peak is split (its key's cap becomes half its bytes), or, a
 bucket of one gradient, that gradient is reduced as the plan lists it; after
 ``BUDGET_ROUNDS`` rounds, none is bucketed. ``stats["bucket_budget"]``: how many keys were
 split and gradients left out. Nothing is measured where the solver's peak
-(``stats["peak_bytes"]``) plus every bucket's flat input fits the budget: at any point the
+(``plan.solver_peak_bytes``) plus every bucket's flat input fits the budget: at any point the
 bucketed step holds at most those more than the step the solver bounded (a member is freed
 at its bucket's issue, and its reduced part is no larger than it), and the operator order
 (passes/order) only lowers that step's peak.
@@ -102,6 +104,9 @@ its node's cost and so in ``compute_s``); the solver's own objective (passes/sol
 ``objective_s``, and ``total_s`` becomes the emitted step's simulated length
 (``Plan.emitted_step_s``, autopar/api), which credits exactly the overlap the emitted step
 has.
+
+``plan.stats`` (telemetry): ``buckets``, ``overlaps_collectives``, ``bucketed_reductions``
+(gradients in a bucket), and ``bucket_budget`` where the budget split or left out any.
 """
 
 from __future__ import annotations
@@ -114,7 +119,15 @@ from typing import Any
 
 import torch
 
-from autopar.core import Plan, StrategySpace, local_shape, parse_placements, reductions, roles
+from autopar.core import (
+    Plan,
+    PlannedCollective,
+    StrategySpace,
+    local_shape,
+    parse_placements,
+    reductions,
+    roles,
+)
 from autopar.core.plan import comm_by_kind
 
 from .memory import MemoryReport, held_inputs, simulate
@@ -189,7 +202,7 @@ class Bucket:
     steps: tuple[tuple[str, str], ...]
     dtype: torch.dtype
     op: str
-    members: list[dict] = dataclasses.field(default_factory=list)
+    members: list[PlannedCollective] = dataclasses.field(default_factory=list)
     positions: list[int] = dataclasses.field(default_factory=list)
     sources: list[str] = dataclasses.field(default_factory=list)  # the nodes making them
     issue: str = ""
@@ -202,9 +215,9 @@ def candidates(space: StrategySpace, plan: Plan) -> list[tuple]:
     local numel as made)`` of each gradient whose reduction a bucket can run (module
     docstring), in the order made."""
     index = {n: i for i, n in enumerate(plan.order)} if plan.order else space.position
-    per_edge: dict[str, list[dict]] = defaultdict(list)
+    per_edge: dict[str, list[PlannedCollective]] = defaultdict(list)
     for c in plan.collectives:
-        per_edge[c["edge"]].append(c)
+        per_edge[c.edge].append(c)
     # what a gradient's placements, collectives and tensor make of it, once per space (a
     # fold group's layers share them; each overlap round reads every gradient)
     made_of: dict[tuple, tuple | None] = space.derived.setdefault("bucket_candidates", {})
@@ -220,7 +233,7 @@ def candidates(space: StrategySpace, plan: Plan) -> list[tuple]:
         dst_ps = plan.nodes[sink.like].out[0]
         if src_ps is None or dst_ps is None:
             continue
-        steps = tuple((c["kind"], c["axis"]) for c in cs)
+        steps = tuple((c.kind, c.axis) for c in cs)
         shape, dtype = space.tensor(sink.src, 0)
         key = (src_ps, dst_ps, steps, tuple(shape), dtype)
         if key not in made_of:
@@ -292,12 +305,12 @@ def bucket_measured(
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
     found = candidates(space, plan)
-    budget = plan.stats.get("memory_budget")
+    budget = plan.memory_budget
     caps: dict[tuple, float] = {}  # (steps, dtype, op) -> its lowered cap
     alone: set[int] = set()  # sink positions reduced as the plan lists them
     # the solver's peak (the gradients reduced at the end) and every bucket's flat input
     # live at once bound the bucketed step's: where that fits, nothing is measured
-    solver_peak = plan.stats.get("peak_bytes")
+    solver_peak = plan.solver_peak_bytes
     for _ in range(BUDGET_ROUNDS):
         out, done = _bucketed(plan, [f for f in found if f[0] not in alone], bucket_bytes, caps)
         if budget is None or not done:
@@ -318,17 +331,21 @@ def bucket_measured(
                 caps[(b.steps, b.dtype, b.op)] = b.numel * b.dtype.itemsize / 2
     else:  # the solver's step: every gradient reduced at the graph's end
         out = _bucketed(plan, [], bucket_bytes, {})[0]
-        out.stats["bucket_budget"] = {"split": len(caps), "unbucketed": len(found)}
-        return out, None
+        return _with_budget(out, {"split": len(caps), "unbucketed": len(found)}), None
     if alone or caps:
-        out.stats["bucket_budget"] = {"split": len(caps), "unbucketed": len(alone)}
+        out = _with_budget(out, {"split": len(caps), "unbucketed": len(alone)})
     return out, report
+
+
+def _with_budget(plan: Plan, split: dict) -> Plan:
+    """``plan`` with ``stats["bucket_budget"]``: what the budget split and left out."""
+    return dataclasses.replace(plan, stats={**plan.stats, "bucket_budget": split})
 
 
 def flat_bytes(plan: Plan) -> int:
     """The bytes of every bucket's flat input in ``plan`` (each bucket's first step moves
     it whole: padded where a hierarchical bucket pads it, ``step_bytes``)."""
-    return sum(c["nbytes"] for c in plan.collectives if "bucket" in c and not c.get("step"))
+    return sum(c.nbytes for c in plan.collectives if c.bucket is not None and not c.step)
 
 
 def _held_at_peak(plan: Plan, done: Sequence[Bucket], report: MemoryReport) -> list[Bucket]:
@@ -358,7 +375,7 @@ def _bucketed(
     open_: dict[tuple, Bucket] = {}
     done: list[Bucket] = []
     for position, cs, at, src, op, dtype, numel in found:
-        steps = tuple((c["kind"], c["axis"]) for c in cs)
+        steps = tuple((c.kind, c.axis) for c in cs)
         key = (steps, dtype, op)
         b = open_.setdefault(key, Bucket(steps, dtype, op))
         b.members.append(cs[0])
@@ -372,7 +389,7 @@ def _bucketed(
     axis_index = {a: i for i, a in enumerate(plan.mesh.axis_names)}
     bucketed = {id(c) for f in found for c in f[1]}  # every candidate is in a bucket
     done.sort(key=lambda b: b.at)
-    collectives = [c for c in plan.collectives if id(c) not in bucketed]
+    collectives: list[PlannedCollective] = [c for c in plan.collectives if id(c) not in bucketed]
     overlap = overlaps_collectives(plan.mesh)
 
     def later_points(b: Bucket) -> list[str]:
@@ -382,40 +399,55 @@ def _bucketed(
 
     for k, b in enumerate(done):
         single = len(b.steps) == 1
+        first = b.members[0].param
+        params = tuple("" if c.param is None else c.param for c in b.members)
         for i, ((kind, axis), nbytes) in enumerate(zip(b.steps, step_bytes(b, plan.mesh))):
-            entry = {
-                "edge": f"{b.issue}->output[{','.join(map(str, b.positions))}] "
-                f"(bucket {k}: {len(b.members)} gradients)",
-                "param": f"{len(b.members)} gradients ({b.members[0].get('param', '?')}, ...)",
-                "params": [c.get("param", "") for c in b.members],
-                "kind": kind,
-                "axis": axis,
-                "nbytes": nbytes,
-                "group_size": int(plan.mesh.shape[axis_index[axis]]),
-                "time_s": collective_s(plan.mesh, kind, axis_index[axis], nbytes),
-                "bucket": k,
-                "dtype": str(b.dtype).removeprefix("torch."),
-                "op": b.op,
-                "overlap": overlap,
-            }
-            if not single:
-                entry.update(step=i, steps=len(b.steps))
-                if overlap and 0 < i <= len(later_points(b)):  # else issued at the end
-                    entry["step_after"] = later_points(b)[i - 1]
+            step_after = wait_after = None
+            if not single and overlap and 0 < i <= len(later_points(b)):  # else at the end
+                step_after = later_points(b)[i - 1]
             if overlap and single and kind == "reduce_scatter":  # its input held to its wait
                 later = [
                     n for n in done if n.steps == b.steps and n.at > b.at
                 ]  # the next one-step reduce-scatter bucket on its axis
                 if later:
-                    entry["wait_after"] = later[0].issue
-            collectives.append(entry)
+                    wait_after = later[0].issue
+            collectives.append(
+                PlannedCollective(
+                    edge=f"{b.issue}->output[{','.join(map(str, b.positions))}] "
+                    f"(bucket {k}: {len(b.members)} gradients)",
+                    kind=kind,
+                    axis=axis,
+                    nbytes=nbytes,
+                    group_size=int(plan.mesh.shape[axis_index[axis]]),
+                    time_s=collective_s(plan.mesh, kind, axis_index[axis], nbytes),
+                    param=f"{len(b.members)} gradients ({'?' if first is None else first}, ...)",
+                    params=params,
+                    bucket=k,
+                    dtype=str(b.dtype).removeprefix("torch."),
+                    op=b.op,
+                    overlap=overlap,
+                    step=None if single else i,
+                    steps=None if single else len(b.steps),
+                    step_after=step_after,
+                    wait_after=wait_after,
+                )
+            )
     by_kind = comm_by_kind(collectives)
     cost = dict(plan.cost)
     cost.setdefault("objective_s", cost.get("total_s", 0.0))
     cost["comm_s"] = sum(by_kind.values())
     cost["comm_by_kind_s"] = dict(sorted(by_kind.items()))
-    out = dataclasses.replace(plan, collectives=tuple(collectives), cost=cost)
-    out.stats["buckets"] = len(done)
-    out.stats["overlaps_collectives"] = overlap
-    out.stats["bucketed_reductions"] = len(found)  # gradients
+    stats = {
+        **plan.stats,
+        "buckets": len(done),
+        "overlaps_collectives": overlap,
+        "bucketed_reductions": len(found),  # gradients
+    }
+    out = dataclasses.replace(
+        plan,
+        collectives=tuple(collectives),
+        cost=cost,
+        stats=stats,
+        overlaps_collectives=overlap,
+    )
     return out, done

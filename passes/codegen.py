@@ -183,10 +183,10 @@ def hoist_prefetched(gm: torch.fx.GraphModule, plan: Plan) -> int:
     last_placeholder = max((n for n in nodes if n.op == "placeholder"), key=position.__getitem__)
     moved = 0
     for c in plan.collectives:
-        if "issue_after" not in c:
+        at = c.issue_after
+        if at is None:
             continue
-        src, dst = c["edge"].split("->")
-        at = c["issue_after"]
+        src, dst = c.edge.split("->")
         anchor = made.get(at, [None])[-1]
         if anchor is None:
             continue

@@ -53,21 +53,10 @@ from .order import prepare as prepare_order
 from .prefetch import prefetch_measured
 from .solve import within
 
-__all__ = ["EMIT_STAGES", "Emitted", "Emitter", "hides"]
+__all__ = ["EMIT_STAGES", "Emitted", "Emitter"]
 
 EMIT_STAGES = ("order", "buckets", "prefetch", "memory")
 """The stages of the emitted step, in the order they run (each skippable)."""
-
-
-def hides(skip: Collection[str]) -> frozenset[str]:
-    """The kinds of overlap the emitted step has (passes/solve ``hides``): the buckets' and
-    the prefetches', unless their stage is skipped."""
-    kinds = set()
-    if "buckets" not in skip:
-        kinds |= {"all_reduce", "reduce_scatter", "multi_axis"}
-    if "prefetch" not in skip:
-        kinds.add("prefetch")
-    return frozenset(kinds)
 
 
 @dataclass(slots=True)
@@ -125,11 +114,6 @@ class Emitter:
         self._first: tuple[Solution, Plan] | None = None  # the first round's, and its plan
         self._of: tuple[Solution, Emitted | None] | None = None  # ``of``'s last answer
 
-    @property
-    def hides(self) -> frozenset[str]:
-        """The kinds of overlap this step has (``hides``)."""
-        return hides(self.skip)
-
     # -- the solver's rounds (passes/solve ``StepJudge``) ----------------------------------
 
     def prepare(self) -> None:
@@ -180,7 +164,7 @@ class Emitter:
             # (unmeasured, the step's points are the plan's order and its copies alike,
             # core/schedule; the memory stage measures the kept round's plan once)
             made.report = measured
-            plan.memory["step"] = measured.to_dict()
+            plan = dataclasses.replace(plan, memory={**plan.memory, "step": measured.to_dict()})
         made.judged, made.length = plan, plan.emitted_step_s()
         key = _key(solution)
         self.made[key] = made
@@ -234,7 +218,7 @@ class Emitter:
         # return): the solver's measurement of the plan it chose is of that step (the
         # traced order, its checkpointed layers' copies, no bucket, no prefetch), else
         # measured
-        solver = plan.stats.get("peak_bytes")
+        solver = plan.solver_peak_bytes
         ordering.traced_step_peak = (
             solver
             if solver is not None
@@ -248,12 +232,16 @@ class Emitter:
         """The buckets stage: ``plan`` with its gradient reductions bucketed."""
         made = self.of(solution)
         if made is not None and made.bucketed is not None and made.bucketed.order == plan.order:
-            # what bucket_reductions changes: the collectives and their cost, and it adds to
-            # the plan's own statistics
+            # what bucket_reductions changes: the collectives, their cost and the stream
+            # semantics, and it adds to the plan's own statistics (in a copy, as it makes)
             b = made.bucketed
-            plan = dataclasses.replace(plan, collectives=b.collectives, cost=b.cost)
-            plan.stats.update(made.bucket_stats)
-            return plan
+            return dataclasses.replace(
+                plan,
+                collectives=b.collectives,
+                cost=b.cost,
+                overlaps_collectives=b.overlaps_collectives,
+                stats={**plan.stats, **made.bucket_stats},
+            )
         return bucket_reductions(self.space, plan, self.bucket_bytes, self.optimizer)
 
     def prefetch(self, solution: Solution, plan: Plan) -> Plan:
@@ -307,8 +295,7 @@ def _over_budget(plan: Plan, report: MemoryReport) -> Plan:
     prefetches as emitted) peaks above the memory budget although the solver's step did
     not (passes/solve warns of its own): the buckets' and the prefetches' budget checks
     should keep it within (passes/buckets, passes/prefetch)."""
-    budget = plan.stats.get("memory_budget")
-    solver = plan.stats.get("peak_bytes")
+    budget, solver = plan.memory_budget, plan.solver_peak_bytes
     if budget is None or solver is None or solver > budget + within(budget):
         return plan
     if report.peak_bytes <= budget + within(budget):

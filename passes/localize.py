@@ -70,6 +70,7 @@ from torch.distributed.tensor._redistribute import redistribute_local_tensor
 from torch.utils._pytree import tree_flatten, tree_map
 
 from autopar.core import (
+    PlannedCollective,
     contiguous_stride,
     hierarchical_axes,
     local_offset,
@@ -165,20 +166,22 @@ class _Localizer(torch.fx.Interpreter):
         # gradient, each output position then read from its bucket; a bucket of several
         # steps runs them one after another, on CUDA each after the node its entry's
         # ``step_after`` names (else at the first read)
-        self.steps: dict[int, list[dict]] = {}  # bucket -> its collectives, in order
-        self.issued_at: dict[str, list[dict]] = {}  # node -> the steps issued after it
+        # bucket -> its collectives, in order
+        self.steps: dict[int, list[PlannedCollective]] = {}
+        # node -> the steps issued after it
+        self.issued_at: dict[str, list[PlannedCollective]] = {}
         self.waits: dict[str, list[int]] = {}  # node -> buckets waited for after it
         self.overlap = dmesh.device_type != "cpu"
         for c in plan.collectives:
-            if "bucket" not in c:
+            if c.bucket is None:
                 continue
-            self.steps.setdefault(c["bucket"], []).append(c)
-            if c.get("step", 0) == 0:
+            self.steps.setdefault(c.bucket, []).append(c)
+            if not c.step:
                 self.issued_at.setdefault(bucket_site(c)[0], []).append(c)
-            elif self.overlap and "step_after" in c:
-                self.issued_at.setdefault(c["step_after"], []).append(c)
-            if "wait_after" in c:
-                self.waits.setdefault(c["wait_after"], []).append(c["bucket"])
+            elif self.overlap and c.step_after is not None:
+                self.issued_at.setdefault(c.step_after, []).append(c)
+            if c.wait_after is not None:
+                self.waits.setdefault(c.wait_after, []).append(c.bucket)
         self.outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
         self.reduced: dict[int, tuple] = {}  # output position -> (bucket, offset, shape)
         self.pending: dict[int, torch.Tensor] = {}  # bucket -> its last step, not waited for
@@ -189,8 +192,8 @@ class _Localizer(torch.fx.Interpreter):
         # one collective per axis never does
         axes_of: dict[tuple[str, str], list[str]] = {}
         for c in plan.collectives:
-            if "bucket" not in c:
-                axes_of.setdefault(self._orig(edge_ends(c["edge"])), []).append(c["axis"])
+            if c.bucket is None:
+                axes_of.setdefault(self._orig(edge_ends(c.edge)), []).append(c.axis)
         self.tiered = {e for e, axes in axes_of.items() if len(set(axes)) < len(axes)}
 
     def _choice(self, name):
@@ -239,13 +242,14 @@ class _Localizer(torch.fx.Interpreter):
         for k in self.waits.get(n.name, ()) if self.overlap else ():  # before the next
             self.done[k] = torch.ops._c10d_functional.wait_tensor(self.pending.pop(k))
         for c in self.issued_at.get(n.name, ()):
-            if c.get("step", 0) == 0:
+            if not c.step:
                 self._issue(c, n, out)
             else:
-                self._advance(c["bucket"])
+                assert c.bucket is not None
+                self._advance(c.bucket)
         return out
 
-    def _issue(self, bucket: dict, node, value) -> None:
+    def _issue(self, bucket: PlannedCollective, node, value) -> None:
         """One bucket of gradient reductions (passes/buckets): the members flattened into
         one tensor and its first step issued. A direct bucket lays the members out
         rank-major over each reduce-scatter's axis in turn (each rank's chunk of every
@@ -255,10 +259,11 @@ class _Localizer(torch.fx.Interpreter):
         can mix their messages, ``_Ring``); on CUDA the next step is issued after the node
         its entry's ``step_after`` names (``_advance``), and the last waited for after the
         node its entry's ``wait_after`` names (``run_node``) or at the first read."""
-        k = bucket["bucket"]
+        k = bucket.bucket
+        assert k is not None
         steps = self.steps[k]
         names = self.plan.mesh.axis_names
-        listed = tuple((c["kind"], c["axis"]) for c in steps)
+        listed = tuple((c.kind, c.axis) for c in steps)
         tiered = listed[-1][0] == "all_gather"
         positions = bucket_site(bucket)[1]
         members, offset = [], 0
@@ -296,16 +301,16 @@ class _Localizer(torch.fx.Interpreter):
                 self._advance(k)
             self.done[k] = torch.ops._c10d_functional.wait_tensor(self.pending.pop(k))
 
-    def _collective(self, c: dict, x: torch.Tensor) -> torch.Tensor:
+    def _collective(self, c: PlannedCollective, x: torch.Tensor) -> torch.Tensor:
         """One step of a bucket, issued (not waited for)."""
         c10d = torch.ops._c10d_functional
-        axis = self.plan.mesh.axis_names.index(c["axis"])
+        axis = self.plan.mesh.axis_names.index(c.axis)
         size, group = self.dmesh.size(axis), self.dmesh.get_group(axis).group_name
-        if c["kind"] == "reduce_scatter":
-            return c10d.reduce_scatter_tensor(x, c["op"], size, group)
-        if c["kind"] == "all_gather":
+        if c.kind == "reduce_scatter":
+            return c10d.reduce_scatter_tensor(x, c.op, size, group)
+        if c.kind == "all_gather":
             return c10d.all_gather_into_tensor(x, size, group)
-        return c10d.all_reduce(x, c["op"], group)
+        return c10d.all_reduce(x, c.op, group)
 
     def _advance(self, k: int) -> None:
         """Bucket ``k``'s next step: the one before waited for, this one issued on its

@@ -86,7 +86,15 @@ from collections import defaultdict
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from autopar.core import Plan, Recompute, Sink, StrategySpace, parse_placements, roles
+from autopar.core import (
+    Plan,
+    PlannedCollective,
+    Recompute,
+    Sink,
+    StrategySpace,
+    parse_placements,
+    roles,
+)
 from autopar.core.schedule import bucket_site, edge_ends
 
 from .layout import arena
@@ -550,7 +558,7 @@ def bucketed(plan: Plan) -> dict[int, str]:
     ``<node>->output[<positions>] (bucket k: ...)``)."""
     early: dict[int, str] = {}
     for c in plan.collectives:
-        if "bucket" in c:
+        if c.bucket is not None:
             src, positions = bucket_site(c)
             early.update((p, src) for p in positions)
     return early
@@ -563,18 +571,18 @@ def held_inputs(plan: Plan) -> dict[int, str]:
     ``wait_after``; a bucket of several steps whose first is a reduce-scatter: waited for
     where its second is issued, the entry's ``step_after``)."""
     held: dict[int, str] = {}
-    first: dict[int, dict] = {}
+    first: dict[int, PlannedCollective] = {}
     for c in plan.collectives:
-        if "bucket" not in c or not c.get("overlap"):
+        if c.bucket is None or not c.overlap:
             continue
-        if "steps" not in c:
-            if c["kind"] == "reduce_scatter":
-                until = c.get("wait_after", Liveness.OUTPUT)
+        if c.steps is None:
+            if c.kind == "reduce_scatter":
+                until = c.wait_after if c.wait_after is not None else Liveness.OUTPUT
                 held.update((p, until) for p in bucket_site(c)[1])
-        elif c["step"] == 0:
-            first[c["bucket"]] = c
-        elif c["step"] == 1 and first[c["bucket"]]["kind"] == "reduce_scatter":
-            until = c.get("step_after", Liveness.OUTPUT)
+        elif c.step == 0:
+            first[c.bucket] = c
+        elif c.step == 1 and first[c.bucket].kind == "reduce_scatter":
+            until = c.step_after if c.step_after is not None else Liveness.OUTPUT
             held.update((p, until) for p in bucket_site(c)[1])
     return held
 
@@ -584,9 +592,9 @@ def prefetched(plan: Plan) -> dict[tuple[str, str], str]:
     reshard issued ahead of its consumer (passes/prefetch: the entry's ``issue_after``)."""
     found = {}
     for c in plan.collectives:
-        if "issue_after" in c:
-            src, dst = edge_ends(c["edge"])
-            found[(src, dst)] = c["issue_after"]
+        if c.issue_after is not None:
+            src, dst = edge_ends(c.edge)
+            found[(src, dst)] = c.issue_after
     return found
 
 

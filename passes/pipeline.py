@@ -47,7 +47,6 @@ of ``State`` for its output, not an edit of the driver.
 from __future__ import annotations
 
 import logging
-import math
 import time
 import warnings
 from collections.abc import Callable, Collection, Sequence
@@ -60,11 +59,10 @@ from .buckets import DEFAULT_BUCKET_BYTES
 from .codegen import codegen
 from .emit import Emitter
 from .fold import FoldedGraph, fold_regions
-from .memory import OPTIMIZERS, MemoryReport
+from .memory import MemoryReport
+from .options import PlanOptions
 from .order import Ordering
-from .pins import Pin
-from .pins import resolve as resolve_pins
-from .solve import DEVICE_BUDGET, solve
+from .solve import solve
 from .strategies import build_strategies
 from .trace import StepGraph, trace_step
 
@@ -76,76 +74,13 @@ __all__ = [
     "STAGE_NAMES",
     "TRACE",
     "PlanOptions",
+    "check_skip",
     "Stage",
     "State",
     "run_stages",
 ]
 
 log = logging.getLogger("autopar")
-
-
-@dataclass(frozen=True, slots=True)
-class PlanOptions:
-    """What the planning stages take besides the model and the mesh."""
-
-    time_limit_s: float = 600.0
-    """The solver's time limit in seconds."""
-
-    memory_budget: float | None = None
-    """The most bytes one rank may hold at any point of the step (passes/memory). None: the
-    device profile's usable memory; ``math.inf``: no bound."""
-
-    memory_fraction: float | None = None
-    """Instead of ``memory_budget``: this fraction of what one device holds running the
-    whole step."""
-
-    skip: frozenset[str] = frozenset()
-    """Names of stages not to run (only skippable ones: ``fold``, ``order``, ``memory``)."""
-
-    optimizer: str = "adamw"
-    """Whose state the step memory counts (passes/memory.OPTIMIZERS)."""
-
-    checkpointing: bool = True
-    """The solver may recompute layers' activations where the budget binds (passes/remat)."""
-
-    constraints: tuple[tuple[str, str], ...] = ()
-    """Placements fixed before the search: ``(pattern, placements text)`` pairs over
-    parameter names and ``input:N`` (passes/pins)."""
-
-    pins: tuple[Pin, ...] = ()
-    """Nodes fixed to strategies before the search (a whole plan: ``autopar.evaluate``)."""
-
-    bucket_bytes: float = DEFAULT_BUCKET_BYTES
-    """The gradient reductions are grouped into buckets of about this many bytes
-    (passes/buckets; ``skip={"buckets"}``: one reduction per gradient, at the end)."""
-
-    forbid: tuple[tuple[tuple[str, str], ...], ...] = ()
-    """Choices the plan may not make: each a tuple of ``(node, placements text)``, not all
-    of which the plan may keep (passes/solve ``forbid``; ``autopar explain``)."""
-
-    def __post_init__(self):
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer {self.optimizer!r}: one of {sorted(OPTIMIZERS)}")
-        if self.time_limit_s <= 0:
-            raise ValueError(f"time_limit_s must be > 0, got {self.time_limit_s}")
-        if not self.bucket_bytes > 0:
-            raise ValueError(f"bucket_bytes must be > 0, got {self.bucket_bytes}")
-        if self.memory_budget is not None and not self.memory_budget > 0:
-            raise ValueError(
-                f"memory_budget must be a positive number of bytes, got {self.memory_budget}"
-            )
-        if self.memory_fraction is not None:
-            if self.memory_budget is not None:
-                raise ValueError("give memory_budget or memory_fraction, not both")
-            if not self.memory_fraction > 0:
-                raise ValueError(f"memory_fraction must be > 0, got {self.memory_fraction}")
-        unknown = set(self.skip) - set(STAGE_NAMES)
-        if unknown:
-            raise ValueError(f"unknown stage(s) {sorted(unknown)}; stages are {STAGE_NAMES}")
-        fixed = [s.name for s in ALL_STAGES if s.name in self.skip and not s.skippable]
-        if fixed:
-            skippable = [s.name for s in ALL_STAGES if s.skippable]
-            raise ValueError(f"stage(s) {fixed} cannot be skipped; skippable: {skippable}")
 
 
 @dataclass(slots=True)
@@ -289,16 +224,6 @@ def _strategies(state: State) -> StrategySpace:
 def _solve(state: State) -> Solution:
     options, space = state.options, state.strategies
     assert space is not None and state.trace is not None
-    budget: float | str | None
-    if options.memory_fraction is not None or (
-        options.memory_budget is not None and math.isinf(options.memory_budget)
-    ):
-        budget = None
-    elif options.memory_budget is None:
-        budget = DEVICE_BUDGET
-    else:
-        budget = options.memory_budget
-    pins, frozen = resolve_pins(space, options.constraints)
     state.emitter = emitter = Emitter(
         space,
         state.trace.gm,
@@ -306,19 +231,7 @@ def _solve(state: State) -> Solution:
         bucket_bytes=options.bucket_bytes,
         optimizer=options.optimizer,
     )
-    return solve(
-        space,
-        time_limit_s=options.time_limit_s,
-        memory_budget=budget,
-        memory_fraction=options.memory_fraction,
-        optimizer=options.optimizer,
-        checkpointing=options.checkpointing,
-        forbid=options.forbid,
-        pins=pins + list(options.pins),
-        frozen=frozen,
-        hides=emitter.hides,
-        judge=emitter,
-    )
+    return solve(space, options, judge=emitter)
 
 
 def _emitted(state: State) -> tuple[Emitter, Solution, Plan]:
@@ -349,7 +262,9 @@ def _buckets(state: State) -> Plan:
 
 
 def _buckets_stats(plan: Plan | None) -> dict:
-    return {"buckets": 0 if plan is None else int(plan.stats.get("buckets", 0))}
+    if plan is None:
+        return {"buckets": 0}
+    return {"buckets": len({c.bucket for c in plan.collectives if c.bucket is not None})}
 
 
 def _prefetch(state: State) -> Plan:
@@ -359,7 +274,9 @@ def _prefetch(state: State) -> Plan:
 
 
 def _prefetch_stats(plan: Plan | None) -> dict:
-    return {"prefetched": 0 if plan is None else int(plan.stats.get("prefetched", 0))}
+    if plan is None:
+        return {"prefetched": 0}
+    return {"prefetched": sum(c.issue_after is not None for c in plan.collectives)}
 
 
 def _memory(state: State) -> MemoryReport:
@@ -409,3 +326,15 @@ COMPILE_STAGES = (Stage("codegen", _codegen, _codegen_stats),)
 """From a plan to the compiled local step: what ``autopar.compile`` runs after planning."""
 ALL_STAGES = (TRACE, *PLAN_STAGES, *REPORT_STAGES, *COMPILE_STAGES)
 STAGE_NAMES = tuple(s.name for s in ALL_STAGES)
+
+
+def check_skip(skip: Collection[str]) -> None:
+    """Refuse stage names in ``skip`` that are no stage, or a stage that cannot be skipped
+    (``PlanOptions.skip``), before any stage runs."""
+    unknown = set(skip) - set(STAGE_NAMES)
+    if unknown:
+        raise ValueError(f"unknown stage(s) {sorted(unknown)}; stages are {STAGE_NAMES}")
+    fixed = [s.name for s in ALL_STAGES if s.name in skip and not s.skippable]
+    if fixed:
+        skippable = [s.name for s in ALL_STAGES if s.skippable]
+        raise ValueError(f"stage(s) {fixed} cannot be skipped; skippable: {skippable}")

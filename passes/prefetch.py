@@ -2,9 +2,10 @@
 node that reads it, as FSDP2 issues the next layer's all-gather before this layer runs.
 
 Takes: the ``StrategySpace`` (roles, the nodes' inputs) and an assembled ``Plan`` (its
-collectives, its order, its memory budget). Returns: the plan with ``issue_after`` (a node
-name) on each reshard issued early. Nothing where the profile does not overlap
-collectives (gloo: two collectives in flight on one group can mix their messages,
+collectives, its order, its memory budget and the solver's peak). Returns: a new plan with
+``issue_after`` (a node name) on each reshard issued early (``dataclasses.replace`` of its
+``PlannedCollective``), or the plan given where none is. Nothing where the profile does not
+overlap collectives (gloo: two collectives in flight on one group can mix their messages,
 passes/codegen ``_Ring``; every collective is waited for where it is issued).
 
 Which: a reshard (an edge ``src->dst`` between two nodes, not into a recomputed copy nor
@@ -41,19 +42,19 @@ Its output is held from the issue to its consumer: passes/memory counts it there
 for it at its consumer), and passes/codegen moves the collective, with the ops that prepare
 its input, to right after that point in the local graph, leaving its wait before the
 consumer. Where the held outputs raise the step's peak above the plan's memory budget
-(``stats["memory_budget"]``; the solver bounds the step without them), the reshards held at
+(``plan.memory_budget``; the solver bounds the step without them), the reshards held at
 the peak are issued at their consumers instead, and the step is measured again, at most
 ``BUDGET_ROUNDS`` times; then, or where none is held at the peak, nothing is prefetched.
 The step is measured only where it may pass the budget: the solver's peak
-(``stats["peak_bytes"]``, the step without buckets and prefetches), every bucket's flat
+(``plan.solver_peak_bytes``, the step without buckets and prefetches), every bucket's flat
 input (passes/buckets), every reshard issued early and every output of a node moved ahead,
 all held at once, bound it (``_held_bound``; the operator order only lowers the solver's
 step's peak). ``prefetch_measured`` returns the last measurement with the plan, where it
 made one (the memory stage's report of it, which the overlap rounds take:
 passes/pipeline).
 
-``plan.stats``: ``prefetched`` (reshards issued early), ``prefetch_moved`` (inputs moved
-ahead for them).
+``plan.stats`` (telemetry, in a copy): ``prefetched`` (reshards issued early),
+``prefetch_moved`` (inputs moved ahead for them).
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ import dataclasses
 from collections import defaultdict
 from collections.abc import Collection, Sequence, Set
 
-from autopar.core import Plan, StrategySpace, parse_placements, roles
+from autopar.core import Plan, PlannedCollective, StrategySpace, parse_placements, roles
 from autopar.core.schedule import edge_ends, purpose
 
 from .buckets import flat_bytes
@@ -77,11 +78,13 @@ BUDGET_ROUNDS = 8
 memory budget (module docstring)."""
 
 
-def _candidates(space: StrategySpace, plan: Plan, position: dict[str, int]) -> list[dict]:
+def _candidates(
+    space: StrategySpace, plan: Plan, position: dict[str, int]
+) -> list[PlannedCollective]:
     """The reshards the module docstring names, each one collective of one edge."""
-    per_edge: dict[str, list[dict]] = defaultdict(list)
+    per_edge: dict[str, list[PlannedCollective]] = defaultdict(list)
     for c in plan.collectives:
-        per_edge[c["edge"]].append(c)
+        per_edge[c.edge].append(c)
     found = []
     for edge, cs in per_edge.items():
         if len(cs) != 1 or purpose(cs[0]) != "reshard" or " " in edge:
@@ -141,32 +144,32 @@ def _order_of(space: StrategySpace, names: Sequence[str]) -> _Order:
     return made
 
 
-def _sequence(space: StrategySpace, plan: Plan, order: _Order) -> list[list[dict]]:
+def _sequence(space: StrategySpace, plan: Plan, order: _Order) -> list[list[PlannedCollective]]:
     """Per mesh axis, the candidates in the order their consumers run in ``order``."""
     position = order.position
-    by_axis: dict[str, list[dict]] = defaultdict(list)
+    by_axis: dict[str, list[PlannedCollective]] = defaultdict(list)
     for c in _candidates(space, plan, position):
-        by_axis[c["axis"]].append(c)
+        by_axis[c.axis].append(c)
     for cs in by_axis.values():
-        cs.sort(key=lambda c: position[edge_ends(c["edge"])[1]])
+        cs.sort(key=lambda c: position[edge_ends(c.edge)[1]])
     return list(by_axis.values())
 
 
 def _moved_ahead(
-    space: StrategySpace, plan: Plan, order: _Order, sequence: list[list[dict]]
+    space: StrategySpace, plan: Plan, order: _Order, sequence: list[list[PlannedCollective]]
 ) -> tuple[Sequence[str], list[str]]:
     """``order`` with each candidate's input that is one of ``ready_nodes`` (passes/order)
     and is made after the point its reshard would be issued at, moved there with the ready
     nodes it reads (module docstring, "The model's state"), and the nodes moved; the
     candidates of ``order`` in ``sequence`` (``_sequence``)."""
-    fed = {edge_ends(c["edge"])[1] for c in plan.collectives if purpose(c) == "reshard"}
+    fed = {edge_ends(c.edge)[1] for c in plan.collectives if purpose(c) == "reshard"}
     ready = ready_nodes(space, fed)
     position, backward = order.position, order.backward
     before: dict[str, int] = {}  # moved node -> the position it is put before
     for cs in sequence:
         previous = None
         for c in cs:
-            src, dst = edge_ends(c["edge"])
+            src, dst = edge_ends(c.edge)
             if backward[position[dst]]:
                 start = order.first_backward + 1
             else:
@@ -216,7 +219,7 @@ def prefetch_measured(
     for cs in sequence:
         previous = None  # the consumer of the axis's reshard before
         for c in cs:
-            src, dst = edge_ends(c["edge"])
+            src, dst = edge_ends(c.edge)
             at = position[src]
             if previous is not None:
                 at = max(at, previous - 1)
@@ -225,19 +228,19 @@ def prefetch_measured(
             if at < position[dst] - 1:
                 early[id(c)] = order[at]
             previous = position[dst]
-    budget = plan.stats.get("memory_budget")
-    consumer = {id(c): edge_ends(c["edge"])[1] for c in plan.collectives}
+    budget = plan.memory_budget
+    consumer = {id(c): edge_ends(c.edge)[1] for c in plan.collectives}
     bound = None if budget is None else _held_bound(plan, early, _moved_bytes(space, plan, moved))
     for _ in range(BUDGET_ROUNDS):
         if not early:
             return plan, None
         collectives = tuple(
-            {**c, "issue_after": early[id(c)]} if id(c) in early else c for c in plan.collectives
+            dataclasses.replace(c, issue_after=early[id(c)]) if id(c) in early else c
+            for c in plan.collectives
         )
         out = dataclasses.replace(
-            plan, collectives=collectives, order=tuple(order) if moved else plan.order,
-            stats=dict(plan.stats),
-        )  # fmt: skip
+            plan, collectives=collectives, order=tuple(order) if moved else plan.order
+        )
         report = None
         if budget is None or (bound is not None and bound <= budget):
             break
@@ -255,23 +258,22 @@ def prefetch_measured(
             del early[k]
     else:
         return plan, None
-    out.stats["prefetched"] = len(early)
-    out.stats["prefetch_moved"] = len(moved)
-    return out, report
+    stats = {**plan.stats, "prefetched": len(early), "prefetch_moved": len(moved)}
+    return dataclasses.replace(out, stats=stats), report
 
 
 def _held_bound(plan: Plan, early: Collection[int], kept: int) -> int | None:
     """A bound on the prefetched step's peak, where the plan carries the solver's
-    (``stats["peak_bytes"]``: the step without buckets and prefetches, in traced order):
+    (``plan.solver_peak_bytes``: the step without buckets and prefetches, in traced order):
     that, and every bucket's flat input (passes/buckets: no more than that beside the
     solver's step), every reshard of ``early`` (ids of the plan's collectives issued early;
     each entry's bytes: at least its buffer) and ``kept`` (``_moved_bytes``), all held at
     once. None without it."""
-    solver = plan.stats.get("peak_bytes")
+    solver = plan.solver_peak_bytes
     if solver is None:
         return None
     flat = flat_bytes(plan)
-    ahead = sum(c["nbytes"] for c in plan.collectives if id(c) in early)
+    ahead = sum(c.nbytes for c in plan.collectives if id(c) in early)
     return int(solver) + flat + ahead + kept
 
 

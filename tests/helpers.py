@@ -98,7 +98,7 @@ def staged_plan(
     mp = options.pop("mp_policy", None)
     with contextlib.ExitStack() as stack, quiet():
         step = api._trace(model, example_inputs, loss_fn, example_targets, stack, {}, mp=mp)
-        opts = api._options(**options)
+        opts = api.plan_options(**options)
         state = api.searched(step, mesh, opts)
         if fresh:
             judged = state.emitter

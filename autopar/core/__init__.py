@@ -8,6 +8,7 @@ Every other layer stands on these (docs/architecture.md):
     ``Strategy``, ``StrategySpace``,  core/space.py    what the solver chooses from, and
     ``Solution``, ``Collective``                       what it chose
     ``Plan``, ``NodeChoice``       core/plan.py        the plan, serializable
+    ``PlannedCollective``          core/planned.py     one collective of the plan's step
     ``CompiledStep``               core/compiled.py    what codegen hands the runtime
     ``autopar::sdpa`` (+ backward) core/ops.py         one attention op on every device
     ``MixedPrecision``             core/precision.py   mixed precision policy, its casts
@@ -32,6 +33,7 @@ from .placements import (
     reductions,
 )
 from .plan import PLAN_FORMAT, STATS_ORDER, NodeChoice, Plan
+from .planned import PlannedCollective
 from .precision import MixedPrecision, cast_parameters
 from .roles import op_name
 from .space import (
@@ -60,6 +62,7 @@ __all__ = [
     "NodeChoice",
     "Placements",
     "Plan",
+    "PlannedCollective",
     "Sink",
     "Solution",
     "Strategy",

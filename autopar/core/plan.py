@@ -24,6 +24,7 @@ import torch
 
 from .mesh import Mesh
 from .placements import parse_placements, placement_str
+from .planned import PlannedCollective
 from .roles import op_name
 from .schedule import COMPUTE, inside_op, schedule, schedule_length
 from .space import Recompute, Solution, StrategySpace
@@ -34,6 +35,7 @@ __all__ = [
     "NodeChoice",
     "PLAN_FORMAT",
     "Plan",
+    "PlannedCollective",
     "STATS_ORDER",
     "comm_by_kind",
     "index_ranges",
@@ -95,16 +97,19 @@ def index_ranges(indices: list[int]) -> str:
 _EDGE = re.compile(r"^(\S+)->(\S+)(?: \(as (\S+)\))?")
 
 
-def _collective_site(label: str, modules: dict[str, str], param_of: dict[str, str]) -> dict:
-    """Where a collective runs, in the model's terms: ``module``, the module path of the
-    node it feeds (a reshard), or ``param``, the parameter whose gradient it reduces."""
+def _collective_site(
+    label: str, modules: dict[str, str], param_of: dict[str, str]
+) -> tuple[str | None, str | None]:
+    """Where a collective runs, in the model's terms, as ``(module, param)``: the module path
+    of the node it feeds (a reshard), or the parameter whose gradient it reduces; the
+    other None."""
     m = _EDGE.match(label)
     if m is None:
-        return {}
+        return None, None
     dst, like = m[2], m[3]
     if dst.startswith("output["):
-        return {"param": param_of[like]} if like in param_of else {"module": "(step output)"}
-    return {"module": modules.get(dst, "")}
+        return (None, param_of[like]) if like in param_of else ("(step output)", None)
+    return modules.get(dst, ""), None
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,7 +169,7 @@ class NodeChoice:
 
 def _nodes_and_collectives(
     space: StrategySpace, solution: Solution, base: tuple[Solution, Plan] | None = None
-) -> tuple[dict[str, NodeChoice], tuple[dict, ...]]:
+) -> tuple[dict[str, NodeChoice], tuple[PlannedCollective, ...]]:
     """``Plan.from_solution``'s nodes and collectives of ``solution``; ``base``: another
     solution over ``space`` and its plan, whose node choices are taken where the node's
     strategy, cost and host time are the same."""
@@ -221,32 +226,34 @@ def _nodes_and_collectives(
     collectives = []
     param_of = {node: name for name, node in space.params.items()}
     # each edge's site read once per space (the overlap rounds' plans share most edges)
-    sites: dict[str, dict] = space.derived.setdefault("collective_sites", {})
+    sites: dict[str, tuple] = space.derived.setdefault("collective_sites", {})
+    axis_names = mesh.axis_names
     for label, c, t in solution.collectives:
         site = sites.get(label)
         if site is None:
             site = sites[label] = _collective_site(label, space.modules, param_of)
         collectives.append(
-            {
-                "edge": label,
-                **site,
-                "kind": c.kind,
-                "axis": mesh.axis_names[c.axis],
-                "nbytes": int(c.nbytes),
-                "group_size": int(c.group_size),
-                "time_s": t,
-            }
+            PlannedCollective(
+                label,
+                c.kind,
+                axis_names[c.axis],
+                int(c.nbytes),
+                int(c.group_size),
+                t,
+                module=site[0],
+                param=site[1],
+            )
         )
     return nodes, tuple(collectives)
 
 
-def comm_by_kind(collectives: Sequence[dict]) -> dict[str, float]:
+def comm_by_kind(collectives: Sequence[PlannedCollective]) -> dict[str, float]:
     """The seconds of a plan's collectives by kind, an op's own left out (in its node's
     cost, ``compute_s``), the kinds in the order they come."""
     by_kind: dict[str, float] = {}
     for c in collectives:
-        if not inside_op(c["edge"]):
-            by_kind[c["kind"]] = by_kind.get(c["kind"], 0.0) + c["time_s"]
+        if not inside_op(c.edge):
+            by_kind[c.kind] = by_kind.get(c.kind, 0.0) + c.time_s
     return by_kind
 
 
@@ -265,14 +272,15 @@ class Plan:
         outputs: per graph output (loss or model outputs, then gradients), the placement
             it leaves the step with (None for a non-tensor output).
         fallback_nodes: nodes replicated because their op has no sharding rule.
-        collectives: the collectives one step runs, predicted: dicts with ``edge`` (the
-            graph edge: ``producer->consumer`` node names), ``module`` (the module path of
-            the consumer) or ``param`` (a gradient reduction: the parameter's name),
-            ``kind``, ``axis`` (name), ``nbytes``, ``group_size`` and ``time_s``; a bucket
-            of gradient reductions (passes/buckets: all-reduces, or reduce-scatters into
-            sharded parameters) is one entry with ``bucket`` (its index), ``params``,
-            ``dtype``, ``op``, ``overlap`` and, where it is waited for where the next is
-            issued, ``wait_after``. A reshard issued ahead of its consumer
+        collectives: the collectives one step runs, predicted: ``PlannedCollective``
+            records (core/planned), each with its ``edge`` (the graph edge:
+            ``producer->consumer`` node names), ``module`` (the module path of the
+            consumer) or ``param`` (a gradient reduction: the parameter's name), ``kind``,
+            ``axis`` (name), ``nbytes``, ``group_size`` and ``time_s``; a bucket of
+            gradient reductions (passes/buckets: all-reduces, or reduce-scatters into
+            sharded parameters) is one entry per step with ``bucket`` (its index),
+            ``params``, ``dtype``, ``op``, ``overlap`` and, where it is waited for where
+            the next is issued, ``wait_after``. A reshard issued ahead of its consumer
             (passes/prefetch) has ``issue_after``: the node after which it is issued.
         cost: ``compute_s`` (every node's ``cost_s``, with the collectives an op runs
             inside itself: edges ``n->n``), ``comm_s`` (every other collective of the
@@ -289,15 +297,34 @@ class Plan:
             memory per rank (passes/memory: ``peak_bytes``, ``peak_node``, ``at_peak`` by
             category, ``optimizer``, and ``timeline``: ``nodes`` in step order and, per
             category, the bytes after each). The budget it was bounded by is
-            ``stats["memory_budget"]``.
+            ``memory_budget``.
         warnings: ops replicated for lack of a rule, and similar notes.
         recompute: the layers whose activations the step recomputes in the backward
             (activation checkpointing, passes/remat).
         order: every node of the step in the order it runs, when passes/order chose
             another than the traced one for its peak memory (empty: the traced order).
-        stats: planning statistics: problem size, solver status, and timings
-            (``trace_s``, ``search_s`` and per stage ``*_s``).
+        stats: planning statistics, telemetry that no stage reads: problem size, solver
+            status, and timings (``trace_s``, ``search_s`` and per stage ``*_s``). The
+            typed fields below are written there too (``memory_budget``, ``peak_bytes``,
+            ``overlaps_collectives``, ``status``, ``fold``, ``source``), and
+            ``from_dict`` reads them back from there.
         versions: versions of autopar and torch that made the plan.
+        memory_budget: the step memory per rank, in bytes, the solver bounded the step
+            by (None: unbounded).
+        solver_peak_bytes: the solver's own measurement of its step's peak per rank (the
+            traced order, every gradient reduced at the graph's end, nothing prefetched;
+            passes/solve), which bounds what passes/buckets and passes/prefetch measure;
+            None where the solver did not measure it.
+        overlaps_collectives: whether the step's collectives run beside its compute and
+            beside each other's axes (passes/buckets sets it from the profile: CUDA);
+            core/schedule simulates the streams by it.
+        solver_status: ``optimal``, or ``time_limit`` where the solver stopped at its
+            time limit ("" where not recorded).
+        folded: whether the repeated layers were planned as one (passes/fold ran; False:
+            ``fold=False``); ``stats["fold"]``.
+        source: how ``autopar plan`` made it (``model``, ``batch``, ``precision`` and the
+            planning options given; ``stats["source"]``): what ``autopar explain`` plans
+            its alternatives from. Empty for a plan not made by the CLI.
     """
 
     fingerprint: str
@@ -309,7 +336,7 @@ class Plan:
     has_loss: bool
     outputs: tuple[tuple[str, ...] | None, ...] = ()
     fallback_nodes: tuple[str, ...] = ()
-    collectives: tuple[dict, ...] = ()
+    collectives: tuple[PlannedCollective, ...] = ()
     cost: dict = field(default_factory=dict)
     memory: dict = field(default_factory=dict)
     warnings: tuple[str, ...] = ()
@@ -317,6 +344,12 @@ class Plan:
     versions: dict = field(default_factory=dict)
     recompute: tuple[Recompute, ...] = ()
     order: tuple[str, ...] = ()
+    memory_budget: float | None = None
+    solver_peak_bytes: int | None = None
+    overlaps_collectives: bool = False
+    solver_status: str = ""
+    folded: bool = True
+    source: dict = field(default_factory=dict)
 
     # -- construction --------------------------------------------------------------------
 
@@ -405,6 +438,10 @@ class Plan:
             stats=ordered,
             versions={"autopar": __version__, "torch": torch.__version__.split("+")[0]},
             recompute=tuple(solution.recompute),
+            memory_budget=solution.memory_budget,
+            solver_peak_bytes=solution.peak_bytes,
+            solver_status=solution.status,
+            folded=bool(merged.get("fold", True)),
         )
 
     # -- views ---------------------------------------------------------------------------
@@ -436,7 +473,7 @@ class Plan:
         """``{(kind, axis name): how many per step}`` of the predicted collectives."""
         counts: dict[tuple[str, str], int] = {}
         for c in self.collectives:
-            key = (c["kind"], c["axis"])
+            key = (c.kind, c.axis)
             counts[key] = counts.get(key, 0) + 1
         return dict(sorted(counts.items()))
 
@@ -481,8 +518,8 @@ class Plan:
         all-to-all)."""
         total: dict[tuple[str, str], int] = {}
         for c in self.collectives:
-            key = (c["kind"], c["axis"])
-            total[key] = total.get(key, 0) + int(c["nbytes"])
+            key = (c.kind, c.axis)
+            total[key] = total.get(key, 0) + int(c.nbytes)
         return dict(sorted(total.items()))
 
     def _step_memory_lines(self) -> list[str]:
@@ -492,7 +529,7 @@ class Plan:
         parts = ", ".join(
             f"{k.replace('_', ' ')} {v / 2**20:.2f}" for k, v in step["at_peak"].items() if v
         )
-        budget = self.stats.get("memory_budget")
+        budget = self.memory_budget
         of = "" if budget is None else f" of a {budget / 2**20:.2f} MiB budget"
         lines = [
             f"step memory peak per rank: {step['peak_bytes'] / 2**20:.2f} MiB{of} at "
@@ -588,7 +625,7 @@ class Plan:
         lines.append(
             f"problem: {st.get('nodes', '?')} nodes, {st.get('strategies', '?')} strategies, "
             f"{st.get('variables', '?')} variables, {st.get('constraints', '?')} constraints; "
-            f"solver {st.get('solver', '?')} {st.get('status', '?')}"
+            f"solver {st.get('solver', '?')} {self.solver_status or '?'}"
         )
         if st.get("fold"):
             groups = st.get("fold_groups", [])
@@ -632,7 +669,7 @@ class Plan:
             "has_loss": self.has_loss,
             "outputs": [None if o is None else list(o) for o in self.outputs],
             "fallback_nodes": list(self.fallback_nodes),
-            "collectives": [dict(c) for c in self.collectives],
+            "collectives": [c.to_dict() for c in self.collectives],
             "cost": dict(self.cost),
             "memory": dict(self.memory),
             "warnings": list(self.warnings),
@@ -653,6 +690,7 @@ class Plan:
             raise ValueError(
                 f"plan format {d.get('format')!r} is not {PLAN_FORMAT}: re-plan with this autopar"
             )
+        stats = d["stats"]
         return cls(
             fingerprint=d["fingerprint"],
             mesh=Mesh.from_dict(d["mesh"]),
@@ -663,7 +701,7 @@ class Plan:
             has_loss=d["has_loss"],
             outputs=tuple(None if o is None else tuple(o) for o in d["outputs"]),
             fallback_nodes=tuple(d["fallback_nodes"]),
-            collectives=tuple(dict(c) for c in d["collectives"]),
+            collectives=tuple(PlannedCollective.from_dict(c) for c in d["collectives"]),
             cost=dict(d["cost"]),
             memory=dict(d["memory"]),
             warnings=tuple(d["warnings"]),
@@ -671,6 +709,13 @@ class Plan:
             versions=dict(d["versions"]),
             recompute=tuple(Recompute.from_dict(r) for r in d.get("recompute", ())),
             order=tuple(d.get("order", ())),
+            # (the typed fields, written in ``stats`` where their stage recorded them)
+            memory_budget=stats.get("memory_budget"),
+            solver_peak_bytes=stats.get("peak_bytes"),
+            overlaps_collectives=bool(stats.get("overlaps_collectives", False)),
+            solver_status=stats.get("status", ""),
+            folded=bool(stats.get("fold", True)),
+            source=dict(stats.get("source") or {}),
         )
 
     @classmethod

@@ -20,8 +20,8 @@ communication, from the plan's per-node costs and predicted collectives:
       as the op overlaps it: it is drawn on the communication stream from the node's start,
       and nothing waits for it;
     - the communication stream runs the collectives of one mesh axis one at a time, in
-      the order issued; where the device overlaps collectives (``plan.stats
-      ["overlaps_collectives"]``, passes/buckets: CUDA) those of different axes run beside
+      the order issued; where the device overlaps collectives
+      (``plan.overlaps_collectives``, passes/buckets: CUDA) those of different axes run beside
       each other (each axis is its own process group, with its own NCCL stream and, across
       nodes, its own links); on gloo, one at a time;
     - the collectives of one edge run one after another, in the plan's order, whatever
@@ -83,6 +83,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from .planned import PlannedCollective
+
 if TYPE_CHECKING:
     from .plan import Plan
     from .space import Recompute
@@ -108,6 +110,8 @@ COMPUTE, COMM, HOST = "compute", "communication", "host"
 COPY = "recompute:"
 """Prefix of the name of a checkpointed layer's copy of a node among the step's points."""
 
+_Cs = list[PlannedCollective]
+
 
 def step_points(
     order: Sequence[str], recompute: Iterable[Recompute] = ()
@@ -128,15 +132,17 @@ def step_points(
     return points
 
 
-def purpose(collective: dict) -> str:
+def purpose(collective: PlannedCollective) -> str:
     """``gradient reduction`` (an edge into a gradient the step returns, ``a->output[3]
     (as primals_3)``, or a bucket of them), ``output`` (into another value it returns
     replicated: the loss, or a model's output where there is no loss) or ``reshard``
     (between operators)."""
-    edge = collective["edge"]
+    edge = collective.edge
     if "->output[" not in edge:
         return "reshard"
-    return "gradient reduction" if " (as " in edge or "bucket" in collective else "output"
+    if " (as " in edge or collective.bucket is not None:
+        return "gradient reduction"
+    return "output"
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,7 +190,7 @@ def schedule_inputs(plan: Plan) -> tuple:
         _points(plan),
         plan.nodes,
         plan.collectives,
-        bool(plan.stats.get("overlaps_collectives")),
+        plan.overlaps_collectives,
         cost.get("runtime_s", 0.0),
         cost.get("host_start_s", 0.0),
         cost.get("host_end_s", 0.0),
@@ -208,17 +214,17 @@ def edge_ends(edge: str) -> tuple[str, str]:
     return src, dst
 
 
-def bucket_site(collective: dict) -> tuple[str, list[int]]:
+def bucket_site(collective: PlannedCollective) -> tuple[str, list[int]]:
     """``(the node after which it is issued, its graph output positions)`` of a gradient
     bucket's entry (passes/buckets: edge ``<node>->output[<positions>] (bucket k: ...)``)."""
-    src, _, rest = collective["edge"].partition("->output[")
+    src, _, rest = collective.edge.partition("->output[")
     return src, [int(p) for p in rest.partition("]")[0].split(",")]
 
 
-def _comm_span(c: dict, start: float) -> Span:
-    site = c.get("param") or c.get("module", "")
-    what = f"{c['kind']}@{c['axis']}, {c['nbytes']:,} bytes over {c.get('group_size', '?')} ranks"
-    return Span(COMM, c["edge"], start, c.get("time_s", 0.0), site, what)
+def _comm_span(c: PlannedCollective, start: float) -> Span:
+    site = c.param or c.module or ""
+    what = f"{c.kind}@{c.axis}, {c.nbytes:,} bytes over {c.group_size} ranks"
+    return Span(COMM, c.edge, start, c.time_s, site, what)
 
 
 def schedule(plan: Plan, *, overlap: bool = False) -> list[Span]:
@@ -242,33 +248,34 @@ def _run(
     spans as issued, the host's, and where the compute stream's last span ends."""
     points = _points(plan)
     position = {p: i for i, p in enumerate(points)}
-    into: dict[str, list[dict]] = defaultdict(list)  # reshards, by the point that waits
-    after: dict[str, list[dict]] = defaultdict(list)  # what each point's end issues
-    grads: list[dict] = []
-    inside: dict[str, list[dict]] = defaultdict(list)  # a node's own, in its cost_s
+    into: dict[str, _Cs] = defaultdict(list)  # reshards, by the point that waits
+    after: dict[str, _Cs] = defaultdict(list)  # what each point's end issues
+    grads: _Cs = []
+    inside: dict[str, _Cs] = defaultdict(list)  # a node's own, in its cost_s
     waited: set[int] = set()  # a bucket the compute stream waits for where it is issued
-    wait_at: dict[str, list[dict]] = defaultdict(list)  # buckets waited for after a point
-    chained: dict[int, dict] = {}  # a bucket of several steps -> its step seen last
+    wait_at: dict[str, _Cs] = defaultdict(list)  # buckets waited for after a point
+    chained: dict[int, PlannedCollective] = {}  # a bucket of several steps -> its step seen last
     for c in plan.collectives:
-        src, dst = edge_ends(c["edge"])
+        src, dst = edge_ends(c.edge)
         if src == dst:
             inside[src].append(c)
             continue
         if purpose(c) != "reshard":  # into the step's outputs
-            if "bucket" in c and src in position:  # issued after its last gradient
+            bucket = c.bucket
+            if bucket is not None and src in position:  # issued after its last gradient
                 point = src
-                if c.get("step", 0) > 0 and c.get("overlap") and not overlap:
-                    point = c.get("step_after", "")  # the step before waited for there
+                if c.step and c.overlap and not overlap:
+                    point = c.step_after or ""  # the step before waited for there
                     if point not in position:
                         grads.append(c)  # at the backward's end
                         continue
-                    wait_at[point].append(chained[c["bucket"]])
+                    wait_at[point].append(chained[bucket])
                 after[point].append(c)
-                chained[c["bucket"]] = c
-                if not c.get("overlap") and not overlap:
+                chained[bucket] = c
+                if not c.overlap and not overlap:
                     waited.add(id(c))
-                elif "wait_after" in c and not overlap:
-                    wait_at[c["wait_after"]].append(c)
+                elif c.wait_after is not None and not overlap:
+                    wait_at[c.wait_after].append(c)
                 continue
             grads.append(c)
             if overlap and src in position:
@@ -279,29 +286,30 @@ def _run(
         into[dst].append(c)
         if overlap and src in position and position[src] < position.get(dst, len(points)):
             after[src].append(c)
-        elif not overlap and c.get("issue_after") in position:  # prefetched
-            after[c["issue_after"]].append(c)
+        elif not overlap and c.issue_after in position:  # prefetched
+            after[c.issue_after].append(c)
 
     compute: list[Span] = []
     comm: list[Span] = []
     ends: dict[int, float] = {}  # id(collective) -> its end
     comm_clock: dict[str, float] = defaultdict(float)  # per mesh axis (gloo: one)
-    streams = bool(plan.stats.get("overlaps_collectives"))
+    streams = plan.overlaps_collectives
     edge_clock: dict[str, float] = defaultdict(float)  # where an edge's last one ends
 
-    def issue(cs: list[dict], at: float) -> None:
+    def issue(cs: _Cs, at: float) -> None:
         for c in cs:
             if id(c) in ends:
                 continue
-            axis = c.get("axis", "") if streams else ""
-            src, dst = edge_ends(c["edge"])
+            axis = c.axis if streams else ""
+            edge = c.edge
+            src, dst = edge_ends(edge)
             chained = src != dst  # a node's own exchanges run beside it (docstring)
-            start = max(comm_clock[axis], at, edge_clock[c["edge"]] if chained else 0.0)
+            start = max(comm_clock[axis], at, edge_clock[edge] if chained else 0.0)
             span = _comm_span(c, start)
             comm.append(span)
             comm_clock[axis] = ends[id(c)] = span.end_s
             if chained:
-                edge_clock[c["edge"]] = span.end_s
+                edge_clock[edge] = span.end_s
 
     if overlap:  # a reshard whose input no point makes is ready at the step's start
         issued_later = {id(c) for c in _flat(after)}
@@ -351,7 +359,7 @@ def _run(
     return compute, comm, hosted, compute_end
 
 
-def _flat(d: dict[str, list[dict]]) -> list[dict]:
+def _flat(d: dict[str, _Cs]) -> _Cs:
     return [c for cs in d.values() for c in cs]
 
 

@@ -281,6 +281,13 @@ class Solution:
             (the nodes that cost any); ``host_start_s`` and ``host_end_s`` the runtime's
             host time before the first node and after the last (core/schedule).
             ``objective_s`` is then at least the host's whole time.
+        memory_budget: the step memory per rank, in bytes, the solve bounded the step by
+            (None: unbounded).
+        peak_bytes: the peak per rank of the step the solver measured (passes/memory: the
+            traced order, every gradient reduced at the graph's end, nothing prefetched);
+            None where it measured none.
+        status: ``optimal``, or ``time_limit`` where the solver stopped at its time limit
+            ("" before the solution is read back with its status).
     """
 
     choice: dict[str, int]
@@ -296,6 +303,9 @@ class Solution:
     host_s: dict[str, float] = field(default_factory=dict)
     host_start_s: float = 0.0
     host_end_s: float = 0.0
+    memory_budget: float | None = None
+    peak_bytes: int | None = None
+    status: str = ""
 
     def chosen(self, space: StrategySpace, name: str) -> Strategy:
         """The strategy node ``name`` takes."""

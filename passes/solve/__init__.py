@@ -219,16 +219,15 @@ the gap; without one, a ``SolveError`` that says what to raise   -> readout.read
 from __future__ import annotations
 
 from .cuts import MAX_ROUNDS, smallest_budget, within
-from .driver import DEVICE_BUDGET, SIMPLIFICATIONS, solve
+from .driver import SIMPLIFICATIONS, solve
 from .errors import SolveError
 from .floor import state_floor
 from .ilp import IlpBuilder, build_ilp, forbid_choice, freeze_axes, pin_node
 from .readout import read_solution
 from .rounds import OverlapRounds, StepJudge
-from .settings import FIRST_SHARE, HIDES, MIP_GAP, MULTI
+from .settings import FIRST_SHARE, HIDES, MIP_GAP, MULTI, hidden_kinds
 
 __all__ = [
-    "DEVICE_BUDGET",
     "FIRST_SHARE",
     "HIDES",
     "MAX_ROUNDS",
@@ -242,6 +241,7 @@ __all__ = [
     "build_ilp",
     "forbid_choice",
     "freeze_axes",
+    "hidden_kinds",
     "pin_node",
     "read_solution",
     "smallest_budget",

@@ -9,6 +9,7 @@ infeasible, and turns every failure into a ``SolveError`` that says what to chan
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -19,7 +20,9 @@ from ortools.linear_solver import pywraplp
 from autopar.core import Solution, StrategySpace
 
 from ..memory import MemoryReport, measure
+from ..options import PlanOptions
 from ..pins import Pin, check_folding, parameter_uses
+from ..pins import resolve as resolve_pins
 from ..pricing import DeviceProfile, get_profile
 from . import backend, highs, memory_rows, overlap
 from .cuts import MAX_ROUNDS, _bounded, _Lives, _new_cuts, _PeakBound, smallest_budget, within
@@ -28,7 +31,7 @@ from .floor import _budget_error, _floor_error, state_floor
 from .ilp import IlpBuilder, build_ilp, forbid_choice, freeze_axes, pin_node
 from .readout import read_solution
 from .rounds import OverlapRounds, StepJudge
-from .settings import _MIB, HIDES, MIP_GAP
+from .settings import _MIB, MIP_GAP, hidden_kinds
 
 log = logging.getLogger("autopar")
 
@@ -46,73 +49,65 @@ infeasible is solved without them: the name of each, the resharding it leaves ou
 warning says it), and the options that leave it out."""
 
 
-DEVICE_BUDGET = "device"
-"""``memory_budget`` for the device profile's usable memory (``DeviceProfile.usable_memory``)."""
-
-
 def solve(
     space: StrategySpace,
+    options: PlanOptions | None = None,
     *,
-    time_limit_s: float = 600.0,
+    judge: StepJudge | None = None,
     solver: str | None = None,
-    memory_budget: float | str | None = None,
-    memory_fraction: float | None = None,
-    optimizer: str = "adamw",
     reshard_axes: int | None = 1,
     merge: bool = True,
     mip_gap: float = MIP_GAP,
-    checkpointing: bool = True,
-    forbid: Sequence[Sequence[tuple[str, str]]] = (),
-    pins: Sequence[Pin] = (),
-    frozen: Mapping[int, Collection[str]] | None = None,
-    hides: Collection[str] = HIDES,
-    judge: StepJudge | None = None,
 ) -> Solution:
-    """Solve the ILP of the module docstring for ``space``.
+    """Solve the ILP of the module docstring for ``space`` under ``options`` (passes/options:
+    the planning options, whole; None: the defaults with no memory bound).
 
-    ``memory_budget``: the most bytes one rank may hold at any point of the step
-    (passes/memory: parameters, gradients, ``optimizer`` state, activations, temporaries,
-    collective buffers, inputs); ``DEVICE_BUDGET`` for the device profile's usable memory;
-    None for no bound. ``memory_fraction``: instead, that fraction of what one device holds
-    running the whole step (the plan that replicates everything).
-    ``reshard_axes``: the most mesh axes an edge between two operators may change at once
-    (None: no limit); graph outputs may always change every axis.
-    ``merge``: simplification 1 (following nodes: a smaller ILP that can lose, module
-    docstring); False gives every node its own variables and every edge all its pairs.
-    ``mip_gap``: stop once the incumbent is within this fraction of the best bound.
-    ``checkpointing``: the solver may recompute layers' activations in the backward where
-    the budget binds ("Checkpointing"); False keeps every activation.
-    ``forbid``: choices the plan may not make, each a sequence of ``(node, placements)``
-    (the node's first output placement as text per mesh axis, ``"S(0),R"``): the plan
-    changes at least one of them (``forbid_choice``). ``pins``: placements fixed before
-    the search (passes/pins; ``pin_node``). ``frozen``: mesh axes on which no edge between
-    operators runs a collective, but those out of the given nodes (``freeze_axes``).
-    ``hides``: the kinds of overlap the emitted step has (``FIRST_SHARE``'s keys: the
-    buckets' kinds, where passes/buckets runs, and ``prefetch``, where passes/prefetch
-    does). ``judge``: what the caller makes of the step a solution emits (passes/emit
+    What ``solve`` reads of the options: ``memory_budget`` (None: the device profile's
+    usable memory, ``DeviceProfile.usable_memory``; ``math.inf``: no bound) or
+    ``memory_fraction`` (that fraction of what one device holds running the whole step, the
+    plan that replicates everything); ``optimizer`` (whose state the memory counts);
+    ``checkpointing`` ("Checkpointing"); ``constraints`` (placements fixed before the
+    search: passes/pins, ``pin_node``, and the mesh axes on which no edge between operators
+    runs a collective, ``freeze_axes``) and ``pins``; ``forbid`` (choices the plan may not
+    make: it changes at least one of each, ``forbid_choice``); ``time_limit_s``; and
+    ``skip``: the kinds of overlap the emitted step has are the buckets' and the
+    prefetches' unless their stage is skipped (``hidden_kinds``).
+    ``judge``: what the caller makes of the step a solution emits (passes/emit
     ``Emitter``): the overlap's rounds are compared by its ``length`` ("Overlap"; without
     it, by T), its ``prepare`` runs on this thread while the first solve runs on another,
     and its ``idle`` where this thread would wait for a round solved beside.
+    The ILP's own knobs: ``solver`` (OR-Tools' name; default ``$AUTOPAR_SOLVER`` or HiGHS);
+    ``reshard_axes``: the most mesh axes an edge between two operators may change at once
+    (None: no limit; graph outputs may always change every axis); ``merge``:
+    simplification 1 (following nodes: a smaller ILP that can lose, module docstring;
+    False gives every node its own variables and every edge all its pairs); ``mip_gap``:
+    stop once the incumbent is within this fraction of the best bound.
     """
+    if options is None:
+        options = PlanOptions(memory_budget=math.inf)
     solver = solver or os.environ.get("AUTOPAR_SOLVER", "HIGHS")
-    options = dict(merge=merge, reshard_axes=reshard_axes, hides=hides)
+    pinned, frozen = resolve_pins(space, options.constraints)
+    pins = [*pinned, *options.pins]
+    ilp_options = dict(merge=merge, reshard_axes=reshard_axes, hides=hidden_kinds(options.skip))
     profile = get_profile(space.mesh.device)
-    lives = _Lives(space, checkpointing and (memory_budget, memory_fraction) != (None, None))
-    budget = _budget(space, profile, lives, memory_budget, memory_fraction, optimizer, pins)
+    bounded = options.memory_fraction is not None or not (
+        options.memory_budget is not None and math.isinf(options.memory_budget)
+    )
+    lives = _Lives(space, options.checkpointing and bounded)
+    budget = _budget(space, profile, lives, options, pins) if bounded else None
     search = Search(
-        space, profile, lives, budget, solver=solver, time_limit_s=time_limit_s,
-        mip_gap=mip_gap, optimizer=optimizer, pins=pins, frozen=frozen, forbid=forbid,
-        judge=judge,
+        space, profile, lives, budget, options, pins=pins, frozen=frozen, solver=solver,
+        mip_gap=mip_gap, judge=judge,
     )  # fmt: skip
     t0 = time.perf_counter()
-    ilp, status, report = search.attempt(options)
+    ilp, status, report = search.attempt(ilp_options)
     retried: list[tuple[str, str]] = []  # the simplifications left out, and what they leave out
-    constrained = pins or frozen or forbid
+    constrained = pins or frozen or options.forbid
     for name, what, without in SIMPLIFICATIONS:
         if not constrained or status != pywraplp.Solver.INFEASIBLE:
             break
-        loosened = dict(options, **without(space))
-        if loosened == options:
+        loosened = dict(ilp_options, **without(space))
+        if loosened == ilp_options:
             continue
         # NOTE: the simplifications (module docstring) leave out pairs that a constrained
         # plan may need (a pinned parameter resharded on two axes into its consumer, a
@@ -121,10 +116,10 @@ def solve(
         log.info("the constraints admit no plan of the simplified ILP: resharding %s too", what)
         ilp, status, report = search.attempt(loosened)
         retried.append((name, what))
-        options = loosened
+        ilp_options = loosened
     ilp_s = round(time.perf_counter() - t0, 6)
     if not highs.solved(status):
-        raise _unsolved(search, ilp, status, ilp_s, options)
+        raise _unsolved(search, ilp, status, ilp_s, ilp_options)
     assert report is not None
     return _solution(search, ilp, status, report, ilp_s, retried)
 
@@ -133,33 +128,24 @@ def _budget(
     space: StrategySpace,
     profile: DeviceProfile,
     lives: _Lives,
-    memory_budget: float | str | None,
-    memory_fraction: float | None,
-    optimizer: str,
+    options: PlanOptions,
     pins: Sequence[Pin],
-) -> float | None:
-    """The budget in bytes per rank that ``solve``'s arguments give (None: no bound); a
-    budget below the model's state is refused at once, not after the rounds of cuts and the
+) -> float:
+    """The budget in bytes per rank that bounded ``options`` give (``solve``); a budget below
+    the model's state is refused at once, not after the rounds of cuts and the
     smallest-budget ILP find that nothing fits ("Memory")."""
-    budget: float | None
-    if memory_fraction is not None:
-        if memory_budget is not None:
-            raise ValueError("give memory_budget or memory_fraction, not both")
-        if not 0 < memory_fraction:
-            raise ValueError(f"memory_fraction must be > 0, got {memory_fraction}")
+    optimizer = options.optimizer
+    if options.memory_fraction is not None:
         # nothing checkpointed: the whole step as one device runs it
         whole = measure(lives.now, lambda n, o: None, lambda n, j: None, optimizer).peak_bytes
-        budget = memory_fraction * whole
-    elif memory_budget == DEVICE_BUDGET:
+        budget = options.memory_fraction * whole
+    elif options.memory_budget is None:
         budget = profile.usable_memory
-    elif isinstance(memory_budget, str):
-        raise ValueError(f"memory_budget: bytes, {DEVICE_BUDGET!r} or None; got {memory_budget!r}")
     else:
-        budget = None if memory_budget is None else float(memory_budget)
-    if budget is not None:
-        floor = state_floor(space, optimizer, pins)
-        if floor > budget + within(budget):
-            raise _floor_error(budget, floor, space, optimizer, pins)
+        budget = float(options.memory_budget)
+    floor = state_floor(space, optimizer, pins)
+    if floor > budget + within(budget):
+        raise _floor_error(budget, floor, space, optimizer, pins)
     return budget
 
 
@@ -173,19 +159,18 @@ class Search:
         profile: DeviceProfile,
         lives: _Lives,
         budget: float | None,
+        options: PlanOptions,
         *,
-        solver: str,
-        time_limit_s: float,
-        mip_gap: float,
-        optimizer: str,
         pins: Sequence[Pin],
         frozen: Mapping[int, Collection[str]] | None,
-        forbid: Sequence[Sequence[tuple[str, str]]],
+        solver: str,
+        mip_gap: float,
         judge: StepJudge | None,
     ):
         self.space, self.profile, self.lives, self.budget = space, profile, lives, budget
-        self.solver, self.time_limit_s, self.mip_gap = solver, time_limit_s, mip_gap
-        self.optimizer, self.pins, self.frozen, self.forbid = optimizer, pins, frozen, forbid
+        self.solver, self.time_limit_s, self.mip_gap = solver, options.time_limit_s, mip_gap
+        self.optimizer, self.pins, self.frozen = options.optimizer, pins, frozen
+        self.forbid = options.forbid
         self.judge = judge
         self.pending: list[Callable[[], Any]] = [self.warm]  # done while the first solve runs
 
@@ -326,6 +311,9 @@ def _solution(
                 f"solver stopped after {MAX_ROUNDS} rounds of bounding it"
             )
     stats["peak_bytes"] = report.peak_bytes
-    sol = read_solution(ilp, status, stats, search.time_limit_s, like=ilp.kept)
+    sol = read_solution(
+        ilp, status, stats, search.time_limit_s, like=ilp.kept,
+        memory_budget=None if budget is None else int(budget), peak_bytes=report.peak_bytes,
+    )  # fmt: skip
     sol.warnings.extend(warnings)
     return sol

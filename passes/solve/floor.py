@@ -81,7 +81,8 @@ def _floor_error(
     else:
         # (n ranks hold at least the whole state / n each: fewer than this cannot fit)
         whole = _state_share(space, optimizer, 1)
-        more = f"a mesh of at least {math.ceil(whole / budget)} ranks, or " if budget > 0 else ""
+        # (a budget is > 0: passes/options)
+        more = f"a mesh of at least {math.ceil(whole / budget)} ranks, or "
         how = f"each split evenly over all {ranks} ranks of the mesh"
         advice = f"use {more}a larger budget"
     return SolveError(

@@ -21,15 +21,24 @@ from .settings import _SCALE
 
 
 def read_solution(
-    ilp: IlpBuilder, status: int, stats: dict, time_limit_s: float, like: Solution | None = None
+    ilp: IlpBuilder,
+    status: int,
+    stats: dict,
+    time_limit_s: float,
+    like: Solution | None = None,
+    *,
+    memory_budget: float | None = None,
+    peak_bytes: int | None = None,
 ) -> Solution:
     """The chosen strategies, their compute time, and the collectives of the chosen edges.
 
-    A solve stopped by the time limit (status FEASIBLE) is said so: ``stats["status"]`` is
-    ``time_limit``, with the incumbent and the best bound, and the solution carries a
-    warning. ``like``: this solution as read before, from the same values (an overlap
-    round's, held and restored: ``IlpBuilder.kept``); its plan is taken, and only the
-    statistics and warnings are made again (reading one is linear in the step's nodes)."""
+    A solve stopped by the time limit (status FEASIBLE) is said so: ``status`` (and
+    ``stats["status"]``) is ``time_limit``, with the incumbent and the best bound, and the
+    solution carries a warning. ``like``: this solution as read before, from the same values
+    (an overlap round's, held and restored: ``IlpBuilder.kept``); its plan is taken, and only
+    the statistics and warnings are made again (reading one is linear in the step's nodes).
+    ``memory_budget``, ``peak_bytes``: the search's budget and its measurement of the step's
+    peak, for the solution's fields of those names (``stats``: the caller's telemetry)."""
     read = _read(ilp) if like is None else like
     warnings = []
     extra = {k: read.stats[k] for k in ("recompute_s", "recomputed_layers") if k in read.stats}
@@ -42,9 +51,10 @@ def read_solution(
             f"{incumbent * 1e3:.4f} ms, at most {gap:.1%} above the best bound "
             f"({bound * 1e3:.4f} ms): raise time_limit_s for a better plan"
         )
+    status_text = "optimal" if status == pywraplp.Solver.OPTIMAL else "time_limit"
     stats = {
         "solver": ilp.solver,
-        "status": "optimal" if status == pywraplp.Solver.OPTIMAL else "time_limit",
+        "status": status_text,
         "solver_nodes": len(ilp.folding.reps),
         "merged_nodes": len(ilp.merged),
         "edge_variables": ilp.n_edge_vars,
@@ -53,7 +63,14 @@ def read_solution(
         **extra,
         **stats,
     }
-    return replace(read, stats=stats, warnings=warnings)
+    return replace(
+        read,
+        stats=stats,
+        warnings=warnings,
+        memory_budget=memory_budget,
+        peak_bytes=peak_bytes,
+        status=status_text,
+    )
 
 
 def _read(ilp: IlpBuilder) -> Solution:

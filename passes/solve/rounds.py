@@ -78,9 +78,13 @@ class OverlapRounds:
             return step
         # (the solver's peak: passes/buckets measures only where buckets may pass it)
         stats: dict = {"memory_budget": self.search.budget}
-        if report is not None:
-            stats["peak_bytes"] = report.peak_bytes
-        self.read = read_solution(self.ilp, status, stats, self.search.time_limit_s)
+        peak = None if report is None else report.peak_bytes
+        if peak is not None:
+            stats["peak_bytes"] = peak
+        self.read = read_solution(
+            self.ilp, status, stats, self.search.time_limit_s,
+            memory_budget=self.search.budget, peak_bytes=peak,
+        )  # fmt: skip
         return judge.length(self.read)
 
     def next_shares(self, scales: Mapping) -> dict[tuple[str, int], float] | None:

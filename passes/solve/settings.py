@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from autopar.core import roles
 
 GRAD_OVERLAP = 0.75  # the share of all-reduce buckets first counted as hidden ("Overlap")
@@ -22,6 +24,17 @@ PARTS = ("forward", "backward")
 
 
 HIDES = frozenset(FIRST_SHARE) | {MULTI}  # the kinds of overlap the emitted step has (all)
+
+
+def hidden_kinds(skip: Collection[str]) -> frozenset[str]:
+    """The kinds of overlap the emitted step has (``HIDES``): the buckets' and the
+    prefetches', unless their stage is skipped (``PlanOptions.skip``)."""
+    kinds = set()
+    if "buckets" not in skip:
+        kinds |= {"all_reduce", "reduce_scatter", MULTI}
+    if "prefetch" not in skip:
+        kinds.add("prefetch")
+    return frozenset(kinds)
 
 
 MIP_GAP = 1e-4  # stop within 0.01% of the optimum (HiGHS's own default)

@@ -171,18 +171,18 @@ def test_bucketed_plan_groups_the_gradient_reductions(strategy):
     bucketed, alone = _plan(strategy), _plan(strategy, skip={"buckets"})
     n_params = len(bucketed.params)
     # the loss's all-reduces (its value and its backward's), never bucketed
-    loss = [c for c in alone.collectives if "param" not in c and c["kind"] == "all_reduce"]
+    loss = [c for c in alone.collectives if c.param is None and c.kind == "all_reduce"]
     assert len(loss) == 2
     # one reduction per gradient without buckets; far fewer with them
     alone_counts, counts = alone.collective_counts(), bucketed.collective_counts()
     loss_n = len(loss) if kind == "all_reduce" else 0
     assert alone_counts[(kind, "dp")] == n_params + loss_n
-    buckets = [c for c in bucketed.collectives if "bucket" in c]
-    assert {c["kind"] for c in buckets} == {kind}
+    buckets = [c for c in bucketed.collectives if c.bucket is not None]
+    assert {c.kind for c in buckets} == {kind}
     if strategy == "fsdp-dim1":  # a bucket mixes the dims its members scatter along
         dims = {n: ps[0].dim for n, ps in bucketed.param_placements.items()}
-        assert any({dims[n] for n in c["params"]} == {0, 1} for c in buckets), [
-            c["params"] for c in buckets
+        assert any({dims[n] for n in c.params} == {0, 1} for c in buckets), [
+            c.params for c in buckets
         ]
     assert 2 <= len(buckets) < n_params // 2
     assert counts[(kind, "dp")] == len(buckets) + loss_n
@@ -191,12 +191,12 @@ def test_bucketed_plan_groups_the_gradient_reductions(strategy):
     assert {k: v for k, v in counts.items() if k != (kind, "dp")} == others
     # the same bytes move, each bucket over its cap only by its last gradient
     assert bucketed.collective_bytes() == alone.collective_bytes()
-    assert sum(len(c["params"]) for c in buckets) == n_params
+    assert sum(len(c.params) for c in buckets) == n_params
     for c in buckets[:-1]:
-        assert c["nbytes"] >= BUCKET_MB * 2**20
+        assert c.nbytes >= BUCKET_MB * 2**20
     # priced as one call each: cheaper than the reductions they replace (one overhead each)
-    bucketed_s = sum(c["time_s"] for c in buckets)
-    alone_s = sum(c["time_s"] for c in alone.collectives if "param" in c)
+    bucketed_s = sum(c.time_s for c in buckets)
+    alone_s = sum(c.time_s for c in alone.collectives if c.param is not None)
     assert bucketed_s < alone_s
     # the plan's step time is the emitted step's, the solver's objective kept beside it
     assert bucketed.cost["total_s"] == pytest.approx(bucketed.emitted_step_s())
@@ -218,7 +218,7 @@ def test_bucketed_plan_groups_the_gradient_reductions(strategy):
 def test_buckets_run_as_planned_and_match_one_device(strategy, overlap):
     kind = STRATEGIES[strategy][0]
     plan = _plan(strategy)
-    buckets = [c for c in plan.collectives if "bucket" in c]
+    buckets = [c for c in plan.collectives if c.bucket is not None]
     results = run_local(_train, 2, plan.to_json(), overlap, kind)
     for r in results:
         for a, b in r["losses"]:
@@ -276,12 +276,12 @@ def test_gradients_reduced_over_two_axes_run_in_buckets(strategy):
     )
     steps: dict[int, list[tuple[str, str]]] = {}
     for c in plan.collectives:
-        if "bucket" in c:
-            steps.setdefault(c["bucket"], []).append((c["kind"], c["axis"]))
+        if c.bucket is not None:
+            steps.setdefault(c.bucket, []).append((c.kind, c.axis))
     chained = [k for k, s in steps.items() if s == TWO_AXES_STEPS[strategy]]
     assert len(chained) >= (2 if strategy == "dp-both" else 1), steps
     if strategy == "dp-both":  # every gradient, none left to the graph's end
-        assert not [c for c in plan.collectives if "param" in c and "bucket" not in c]
+        assert not [c for c in plan.collectives if c.param is not None and c.bucket is None]
         assert plan.stats["bucketed_reductions"] == len(plan.params)
     reports = verify("gpt", (2, 2), ("dp", "tp"), plan_json=plan.to_json(timings=True), batch=8)
     for r in reports:

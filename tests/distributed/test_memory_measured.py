@@ -41,9 +41,7 @@ def _peaks(rank, world, example, mesh_shape, fraction):
     for _ in range(2):
         step()
     plan = pm.plan
-    into_views = [
-        c["edge"] for c in plan.collectives if plan.nodes[c["edge"].split("->")[1]].op in VIEWS
-    ]
+    into_views = [c.edge for c in plan.collectives if plan.nodes[c.edge.split("->")[1]].op in VIEWS]
     return measured_step_peak(pm, opt, local, step), plan.memory["step"], into_views
 
 

@@ -105,7 +105,7 @@ def test_context_parallel_step_equals_single_device(case):
     # the exchanges of balanced causal rows and the ring's shifts: the plan's (an edge from
     # a node to itself) are those the step ran (gloo runs a reshard's all_to_all as an
     # all_gather)
-    exchanges = sum(1 for c in plan.collectives if _inner(c["edge"]))
+    exchanges = sum(1 for c in plan.collectives if _inner(c.edge))
     assert reports[0].ran.get(("all_to_all", "cp"), 0) == exchanges
     # only causal rows are balanced; a ring always shifts
     assert (exchanges > 0) == (example != "bert" or variant == "ring")

@@ -108,7 +108,7 @@ def test_vocab_parallel_loss_equals_single_device(mesh_shape, axes):
     # the solver splits the classes of every op of the loss: 2 B S float64 values reduced
     # forward and B S backward, where the log-probabilities' gather moves B S V of them
     assert _split_over(plan, tp) == dict.fromkeys(SPLIT, True), _split_over(plan, tp)
-    inner = [c for c in plan.collectives if c["edge"].partition("->")[0] in SPLIT]
+    inner = [c for c in plan.collectives if c.edge.partition("->")[0] in SPLIT]
     want = [
         ("_log_softmax->_log_softmax", "tp"),
         ("_log_softmax->_log_softmax", "tp"),
@@ -117,8 +117,8 @@ def test_vocab_parallel_loss_equals_single_device(mesh_shape, axes):
     if "dp" in axes:  # the batch split over dp: the loss a sum over both axes
         assert plan.nodes["nll_loss_forward"].out[0] == ("P(sum)", "P(sum)")
         want.append(("nll_loss_forward->nll_loss_forward", "dp"))  # the targets' count
-    assert sorted((c["edge"], c["axis"]) for c in inner) == sorted(want), inner
-    assert all(c["kind"] == "all_reduce" for c in inner), inner
+    assert sorted((c.edge, c.axis) for c in inner) == sorted(want), inner
+    assert all(c.kind == "all_reduce" for c in inner), inner
     _check(plan, verify(EXAMPLE, mesh_shape, axes, plan_json=plan.to_json(timings=True), batch=2))
 
 
@@ -129,8 +129,8 @@ def test_batch_split_mean_loss_counts_every_ranks_targets():
     plan = _plan((2,), ("dp",), {"input:*": "S(0)", "*": "R"}, example)
     nll = plan.nodes["nll_loss_forward"]
     assert (nll.ins[0], nll.out[0], nll.out[1]) == (("S(0)",), ("P(sum)",), ("R",)), nll
-    count = [c for c in plan.collectives if c["edge"] == "nll_loss_forward->nll_loss_forward"]
-    assert [(c["kind"], c["nbytes"]) for c in count] == [("all_reduce", 8)], count
+    count = [c for c in plan.collectives if c.edge == "nll_loss_forward->nll_loss_forward"]
+    assert [(c.kind, c.nbytes) for c in count] == [("all_reduce", 8)], count
     _check(plan, verify(example, (2,), ("dp",), plan_json=plan.to_json(timings=True), batch=2))
 
 
@@ -143,8 +143,8 @@ def test_a_class_weighted_mean_loss_splits_its_rows_over_the_batch():
     nll = plan.nodes["nll_loss_forward"]
     assert (nll.ins[0], nll.ins[2], nll.out[0]) == (("S(0)",), ("R",), ("P(sum)",)), nll
     assert plan.nodes["nll_loss_backward"].ins[1] == ("S(0)",)
-    count = [c for c in plan.collectives if c["edge"] == "nll_loss_forward->nll_loss_forward"]
-    assert [(c["kind"], c["nbytes"]) for c in count] == [("all_reduce", 8)], count
+    count = [c for c in plan.collectives if c.edge == "nll_loss_forward->nll_loss_forward"]
+    assert [(c.kind, c.nbytes) for c in count] == [("all_reduce", 8)], count
     assert "lifted_tensor_0" in plan.buffers  # the weight: the step's own buffer
     _check(plan, verify(example, (2,), ("dp",), plan_json=plan.to_json(timings=True), batch=2))
 

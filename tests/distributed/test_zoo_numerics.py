@@ -92,10 +92,10 @@ def _bytes_on_gloo(plan: Plan) -> dict:
     all-to-all is an all-gather of the whole buffer, group size times its local one."""
     out: dict = {}
     for c in plan.collectives:
-        kind, nbytes = c["kind"], c["nbytes"]
+        kind, nbytes = c.kind, c.nbytes
         if kind == "all_to_all":
-            kind, nbytes = "all_gather", nbytes * c["group_size"]
-        out[(kind, c["axis"])] = out.get((kind, c["axis"]), 0) + nbytes
+            kind, nbytes = "all_gather", nbytes * c.group_size
+        out[(kind, c.axis)] = out.get((kind, c.axis), 0) + nbytes
     return out
 
 

@@ -151,6 +151,7 @@ def _plan_llama(attn: str):
         )
 
 
+@pytest.mark.pinned_torch_only
 def test_sdpa_model_plans_attention_sharded_and_no_slower_than_its_eager_twin():
     sdpa, eager = _plan_llama("sdpa"), _plan_llama("eager")
     assert not [w for w in sdpa.warnings if "attention" in w or "scaled_dot" in w], sdpa.warnings
@@ -339,6 +340,7 @@ def test_the_mask_reaches_the_cuda_kernel_as_its_bias(mask_shape, t):
     assert ops.efficient_bias(None, q, k) is None
 
 
+@pytest.mark.pinned_torch_only
 def test_cuda_attention_takes_flash_only_where_torch_would():
     q16 = torch.randn(1, 2, 8, 64, dtype=torch.bfloat16)
     mask = torch.zeros(8, 8)

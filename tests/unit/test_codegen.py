@@ -105,6 +105,7 @@ def _as_on_cuda(monkeypatch):
     return init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
 
 
+@pytest.mark.pinned_torch_only
 def test_cuda_reduce_scatter_buckets_hold_one_input_per_axis(tp_mesh, monkeypatch):
     """FSDP's gradient reduce-scatters on a GPU profile: each bucket is waited for where the
     next is issued (the process group holds a collective's input, G times its output,
@@ -119,32 +120,34 @@ def test_cuda_reduce_scatter_buckets_hold_one_input_per_axis(tp_mesh, monkeypatc
             model, mesh, (tokens,), loss_fn=cross_entropy_loss, example_targets=(targets,),
             constraints=experts.fsdp(mesh), bucket_mb=0.02,
         )  # fmt: skip
-    buckets = [c for c in plan.collectives if "bucket" in c]
-    assert len(buckets) >= 3 and {c["kind"] for c in buckets} == {"reduce_scatter"}
-    sites = [c["edge"].partition("->")[0] for c in buckets]
+    buckets = [c for c in plan.collectives if c.bucket is not None]
+    assert len(buckets) >= 3 and {c.kind for c in buckets} == {"reduce_scatter"}
+    sites = [c.edge.partition("->")[0] for c in buckets]
     # each waited for where the next is issued, the last at the backward's end
-    assert [c.get("wait_after") for c in buckets] == sites[1:] + [None]
+    assert [c.wait_after for c in buckets] == sites[1:] + [None]
 
     # memory: a bucket's flat input held from its issue to the next one's
     timeline = plan.memory["step"]["timeline"]
     at = {n: i for i, n in enumerate(timeline["nodes"])}
     held = timeline["collective_buffers"]
     for c, nxt in zip(buckets, sites[1:]):
-        i, j = at[c["edge"].partition("->")[0]], at[nxt]
-        assert min(held[i : j + 1]) >= c["nbytes"]
+        i, j = at[c.edge.partition("->")[0]], at[nxt]
+        assert min(held[i : j + 1]) >= c.nbytes
     # schedule: the compute after a wait starts once the bucket waited for has ended (the
     # buckets alone, each taken as 10 ms, longer than the backward between two: each wait
     # binds, and nothing else on the axis queues behind them)
-    slow = dataclasses.replace(plan, collectives=tuple({**c, "time_s": 0.01} for c in buckets))
+    slow = dataclasses.replace(
+        plan, collectives=tuple(dataclasses.replace(c, time_s=0.01) for c in buckets)
+    )
     spans = schedule(slow)
     end = {s.name: s.end_s for s in spans if s.stream == COMM}
     start = {s.name: s.start_s for s in spans if s.stream == COMPUTE}
     order = timeline["nodes"]
     checked = 0
     for c in buckets[:-1]:
-        after = [n for n in order[at[c["wait_after"]] + 1 :] if n in start]
+        after = [n for n in order[at[c.wait_after] + 1 :] if n in start]
         if after:  # (a wait after the backward's last node: nothing runs after it)
-            assert start[after[0]] >= end[c["edge"]] - 1e-12
+            assert start[after[0]] >= end[c.edge] - 1e-12
             checked += 1
     assert checked >= 1
 
@@ -168,6 +171,7 @@ def test_cuda_reduce_scatter_buckets_hold_one_input_per_axis(tp_mesh, monkeypatc
         assert i < waited[nodes[i]] < issued[k + 1]
 
 
+@pytest.mark.pinned_torch_only
 def test_cuda_reshards_are_issued_ahead_of_their_consumers(tp_mesh, monkeypatch):
     """FSDP's all-gathers on a GPU profile (passes/prefetch): each issued before the
     consumer of the one before it on its axis, held from there (memory), run beside the
@@ -186,29 +190,29 @@ def test_cuda_reshards_are_issued_ahead_of_their_consumers(tp_mesh, monkeypatch)
             )  # fmt: skip
 
     plan, plain = planned(), planned(skip={"prefetch"})
-    early = [c for c in plan.collectives if "issue_after" in c]
+    early = [c for c in plan.collectives if c.issue_after is not None]
     assert plan.stats["prefetched"] == len(early) >= 10 and plain.stats["prefetched"] == 0
     nodes = plan.memory["step"]["timeline"]["nodes"]
     at = {n: i for i, n in enumerate(nodes)}
 
     def ends(c):
-        return c["edge"].split("->")
+        return c.edge.split("->")
 
     # each ahead of its consumer; the next on its axis not before this one's consumer
     reshards = sorted(
-        (c for c in plan.collectives if purpose(c) == "reshard" and " " not in c["edge"]),
+        (c for c in plan.collectives if purpose(c) == "reshard" and " " not in c.edge),
         key=lambda c: at[ends(c)[1]],
     )
     for c in early:
-        assert at[c["issue_after"]] < at[ends(c)[1]] - 1
+        assert at[c.issue_after] < at[ends(c)[1]] - 1
     for a, b in zip(reshards, reshards[1:]):
-        if "issue_after" in b and a["axis"] == b["axis"]:
-            assert at[b["issue_after"]] >= at[ends(a)[1]] - 1
+        if b.issue_after is not None and a.axis == b.axis:
+            assert at[b.issue_after] >= at[ends(a)[1]] - 1
     # memory: a gathered weight held from its issue to its consumer
     held = plan.memory["step"]["timeline"]["collective_buffers"]
     for c in early:
-        first, last = at[c["issue_after"]] + 1, at[ends(c)[1]]
-        assert min(held[first : last + 1]) >= c["nbytes"]
+        first, last = at[c.issue_after] + 1, at[ends(c)[1]]
+        assert min(held[first : last + 1]) >= c.nbytes
     # the emitted step runs them beside the compute: shorter than waiting at each consumer
     assert plan.cost["total_s"] < plain.cost["total_s"]
 
@@ -218,17 +222,15 @@ def test_cuda_reshards_are_issued_ahead_of_their_consumers(tp_mesh, monkeypatch)
             model, (tokens,), loss_fn=cross_entropy_loss, example_targets=(targets,), stack=stack
         )
     space = build_strategies(step, mesh)
-    tight = dataclasses.replace(
-        plain, stats={**plain.stats, "memory_budget": plain.memory["step"]["peak_bytes"]}
-    )
+    tight = dataclasses.replace(plain, memory_budget=plain.memory["step"]["peak_bytes"])
     low, high = plain.memory["step"]["peak_bytes"], plan.memory["step"]["peak_bytes"]
     assert high > low
-    loose = dataclasses.replace(tight, stats={**tight.stats, "memory_budget": 2**40})
+    loose = dataclasses.replace(tight, memory_budget=2**40)
     assert prefetch_reshards(space, loose).stats["prefetched"] == len(early)
     # those held at the peak go back to their consumers until the step fits: at the
     # unprefetched peak and halfway to the prefetched one, fewer but some prefetched
     for budget in (low, (low + high) / 2):
-        bound = dataclasses.replace(tight, stats={**tight.stats, "memory_budget": budget})
+        bound = dataclasses.replace(tight, memory_budget=budget)
         fewer = prefetch_reshards(space, bound)
         assert 0 < fewer.stats["prefetched"] < len(early)
         assert simulate(space, fewer).peak_bytes <= budget
@@ -261,6 +263,7 @@ def _gathered_ahead(model, dmesh, tokens, targets, plan, mp_policy=None) -> list
     ]
 
 
+@pytest.mark.pinned_torch_only
 def test_cuda_weights_cast_ahead_of_their_gathers(tp_mesh, monkeypatch):
     """FSDP in bf16 mixed precision on a GPU profile: a weight's cast to bf16, which the
     chosen order runs right before the node that reads it, moves ahead with its
@@ -287,12 +290,12 @@ def test_cuda_weights_cast_ahead_of_their_gathers(tp_mesh, monkeypatch):
         point of the consumer of the reshard before it on its axis)."""
         at = {n: i for i, n in enumerate(p.memory["step"]["timeline"]["nodes"])}
         reshards = sorted(
-            (c for c in p.collectives if purpose(c) == "reshard" and " " not in c["edge"]),
-            key=lambda c: at[c["edge"].partition("->")[2]],
+            (c for c in p.collectives if purpose(c) == "reshard" and " " not in c.edge),
+            key=lambda c: at[c.edge.partition("->")[2]],
         )
         found, previous = [], None
         for c in reshards:
-            src, _, dst = c["edge"].partition("->")
+            src, _, dst = c.edge.partition("->")
             if p.nodes[src].op == "aten._to_copy.default" and p.nodes[dst].role == roles.FORWARD:
                 if previous is not None:
                     found.append((c, at[src], previous))
@@ -309,7 +312,7 @@ def test_cuda_weights_cast_ahead_of_their_gathers(tp_mesh, monkeypatch):
     assert len(after) == len(before)
     assert plan.stats["prefetch_moved"] >= len(before) / 2
     for c, cast, previous in after:
-        assert cast <= at[c["issue_after"]] <= previous - 1
+        assert cast <= at[c.issue_after] <= previous - 1
     # the bf16 copies and the gathers held from there cost memory; the step is shorter
     assert plan.memory["step"]["peak_bytes"] >= plain.memory["step"]["peak_bytes"]
     assert plan.cost["total_s"] < plain.cost["total_s"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -62,7 +63,9 @@ def test_explain_bad_targets_and_plans_are_one_line(capsys, mlp_plan, tmp_path):
     assert "did you mean layers.1.weight" in err and len(err.strip().splitlines()) == 1
     # a plan that does not record its model (made from Python): --model is needed
     plan = Plan.load(mlp_plan)
-    plan.stats.pop("source")
+    assert plan.source["model"] == "mlp"
+    stats = {k: v for k, v in plan.stats.items() if k != "source"}
+    plan = dataclasses.replace(plan, stats=stats, source={})
     bare = tmp_path / "bare.json"
     plan.save(bare)
     assert main(["explain", str(bare), "head.weight"]) == 2

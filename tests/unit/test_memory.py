@@ -103,6 +103,7 @@ def _golden_gpt_2x2():
     return plan, build_strategies(step, mesh, folded=fold_regions(step)), model, mesh
 
 
+@pytest.mark.pinned_torch_only
 def test_sharded_parameters_and_adamw_state_are_the_local_shards():
     # (the accounting is the device's bytes alone)
     plan, space, model, mesh = _golden_gpt_2x2()

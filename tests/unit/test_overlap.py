@@ -15,7 +15,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 import autopar
 from autopar import experts
-from autopar.core import reductions
+from autopar.core import PlannedCollective, reductions
 from autopar.core.schedule import COMM, COMPUTE, bucket_site, schedule, step_length
 from autopar.cost_models import get_profile, reshard_time
 from autopar.models import GPT, GPTConfig, cross_entropy_loss
@@ -58,7 +58,7 @@ def _axis_of(span) -> str:
 
 
 def _buckets_s(plan: autopar.Plan) -> float:
-    return sum(c["time_s"] for c in plan.collectives if "bucket" in c)
+    return sum(c.time_s for c in plan.collectives if c.bucket is not None)
 
 
 # weights that outweigh the work: 4 ranks one per node (the inter-node link), 4 x 16 tokens
@@ -93,8 +93,8 @@ def test_gradient_reductions_shorter_than_the_backward_are_hidden_behind_it():
     # every term but the buckets' (they run beside the backward)
     assert plan.cost["objective_s"] == pytest.approx(plan.cost["compute_s"] + others, rel=1e-3)
     # as emitted: only the last bucket, issued after the last gradient, is not hidden
-    last = max((c for c in plan.collectives if "bucket" in c), key=lambda c: c["bucket"])
-    assert plan.cost["total_s"] <= plan.cost["compute_s"] + others + last["time_s"] + 1e-9
+    last = max((c for c in plan.collectives if c.bucket is not None), key=lambda c: c.bucket)
+    assert plan.cost["total_s"] <= plan.cost["compute_s"] + others + last.time_s + 1e-9
 
 
 def test_on_gloo_every_gradient_reduction_counts_whole():
@@ -111,8 +111,8 @@ def test_fsdp_reduce_scatter_buckets_overlap_as_emitted_and_count_at_the_share_l
     mesh = autopar.Mesh((4,), ("dp",), device="h100")
     bucketed = _fsdp_plan(HEAVY, 64, mesh)
     alone = _fsdp_plan(HEAVY, 64, mesh, skip={"buckets", "prefetch"})
-    buckets = [c for c in bucketed.collectives if "bucket" in c]
-    assert buckets and {c["kind"] for c in buckets} == {"reduce_scatter"}
+    buckets = [c for c in bucketed.collectives if c.bucket is not None]
+    assert buckets and {c.kind for c in buckets} == {"reduce_scatter"}
     # one by one at the end, each reshard waited for at its consumer: nothing overlaps
     assert alone.cost["total_s"] == pytest.approx(
         alone.cost["compute_s"] + alone.cost["comm_s"], rel=1e-9
@@ -181,7 +181,7 @@ def test_the_search_shards_the_weights_where_their_gathers_and_scatters_hide():
         plan = autopar.plan(model, mesh, (tokens,), constraints={"input:0": "S(0)"}, **kw)
         ddp = autopar.evaluate(model, mesh, (tokens,), experts.dp(mesh), **kw)
         fsdp = autopar.evaluate(model, mesh, (tokens,), experts.fsdp(mesh), **kw)
-    kinds = {(c["kind"], "bucket" in c, "issue_after" in c) for c in plan.collectives}
+    kinds = {(c.kind, c.bucket is not None, c.issue_after is not None) for c in plan.collectives}
     assert {("reduce_scatter", True, False), ("all_gather", False, True)} <= kinds
     rounds = plan.stats["overlap_rounds"]
     # the first round: DDP's plan, its step as emitted
@@ -205,44 +205,44 @@ def test_buckets_over_two_axes_run_each_step_a_bucket_later_beside_the_backward(
         warnings.simplefilter("ignore")
         plan = autopar.evaluate(model, mesh, (tokens,), experts.dp(mesh, ["dp", "tp"]),
                                 loss_fn=cross_entropy_loss, example_targets=(tokens,))  # fmt: skip
-    steps: dict[int, list[dict]] = {}
+    steps: dict[int, list[PlannedCollective]] = {}
     for c in plan.collectives:
-        if "bucket" in c:
-            steps.setdefault(c["bucket"], []).append(c)
+        if c.bucket is not None:
+            steps.setdefault(c.bucket, []).append(c)
     assert len(steps) >= 3 and all(len(s) >= 2 for s in steps.values())
     assert plan.stats["bucketed_reductions"] == len(plan.params)
-    issue = {k: s[0]["edge"].partition("->")[0] for k, s in steps.items()}
+    issue = {k: s[0].edge.partition("->")[0] for k, s in steps.items()}
     order = [n for n in plan.memory["step"]["timeline"]["nodes"]]
     points = sorted(dict.fromkeys(issue.values()), key=order.index)
     for k, s in steps.items():
         later = points[points.index(issue[k]) + 1 :]
         for i, c in enumerate(s[1:], start=1):
-            assert c.get("step_after") == (later[i - 1] if i <= len(later) else None), c
+            assert c.step_after == (later[i - 1] if i <= len(later) else None), c
     spans = schedule(plan)
     comm = {(s.name, _axis_of(s), s.what.partition(",")[0]): s for s in spans if s.stream == COMM}
     compute = {s.name: s for s in spans if s.stream == COMPUTE}
     chained = 0
     for s in steps.values():
         for a, b in zip(s, s[1:]):
-            sa = comm[(a["edge"], a["axis"], f"{a['kind']}@{a['axis']}")]
-            sb = comm[(b["edge"], b["axis"], f"{b['kind']}@{b['axis']}")]
+            sa = comm[(a.edge, a.axis, f"{a.kind}@{a.axis}")]
+            sb = comm[(b.edge, b.axis, f"{b.kind}@{b.axis}")]
             assert sb.start_s >= sa.end_s - 1e-15
-            if "step_after" in b:  # issued after that node, which the step before ends by
+            if b.step_after is not None:  # issued after that node, which the step before ends by
                 chained += 1
-                at = compute[b["step_after"]]
+                at = compute[b.step_after]
                 assert sb.start_s >= at.end_s - 1e-15
-                nxt = order[order.index(b["step_after"]) + 1]  # waits for the step before
+                nxt = order[order.index(b.step_after) + 1]  # waits for the step before
                 assert nxt == "output" or compute[nxt].start_s >= sa.end_s - 1e-15
     assert chained >= 2
     # a first step that reduce-scatters holds its input until its wait, at the second's issue
     held = held_inputs(plan)
     for s in steps.values():
-        if s[0]["kind"] == "reduce_scatter":
+        if s[0].kind == "reduce_scatter":
             for p in bucket_site(s[0])[1]:
-                assert held[p] == s[1].get("step_after", "output")
+                assert held[p] == (s[1].step_after or "output")
     assert held
     at_end = dataclasses.replace(plan, collectives=tuple(
-        {k: v for k, v in c.items() if k != "step_after"} for c in plan.collectives
+        dataclasses.replace(c, step_after=None) for c in plan.collectives
     ))  # fmt: skip
     assert plan.emitted_step_s() < step_length(schedule(at_end)) - 1e-6
 
@@ -421,7 +421,7 @@ def test_an_emitted_step_above_the_budget_the_solver_kept_is_said(monkeypatch):
     plan = _fsdp_plan(HEAVY, 64, mesh, **kw)
     assert plan.memory["step"]["peak_bytes"] > budget
     (said,) = [w for w in plan.warnings if "emitted step" in w]
-    assert "above the budget" in said and plan.stats["peak_bytes"] <= budget
+    assert "above the budget" in said and plan.solver_peak_bytes <= budget
 
 
 def test_rounds_bounded_from_the_last_plan_measured_give_the_plan_of_rounds_measured(
@@ -447,6 +447,6 @@ def test_rounds_bounded_from_the_last_plan_measured_give_the_plan_of_rounds_meas
         measured = autopar.plan(model, mesh, (tokens,), **kw)
     assert [b for b in bounds if b is not None], "no round took a bound"
     assert bounded.stats["overlap_rounds"] == measured.stats["overlap_rounds"]
-    assert bounded.stats["peak_bytes"] == measured.stats["peak_bytes"]
+    assert bounded.solver_peak_bytes == measured.solver_peak_bytes
     assert bounded.collectives == measured.collectives
     assert bounded.cost["total_s"] == measured.cost["total_s"]

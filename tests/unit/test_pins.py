@@ -78,17 +78,17 @@ def test_dp_expert_plan_reduces_gradients_and_nothing_else_on_its_axis(gpt):
     assert all(ps == (Replicate(),) for ps in plan.param_placements.values())
     assert all(ps == (Shard(0),) for ps in plan.input_placements)
     # besides the gradients, only the mean loss's token count (a scalar) is reduced
-    tensors = [c for c in plan.collectives if c["nbytes"] > 8]
+    tensors = [c for c in plan.collectives if c.nbytes > 8]
     assert tensors and {purpose(c) for c in tensors} == {"gradient reduction"}
-    assert {c["kind"] for c in plan.collectives} == {"all_reduce"}
+    assert {c.kind for c in plan.collectives} == {"all_reduce"}
     # the loss itself, all-reduced into the one value every rank returns, is not a gradient's
     (loss,) = [c for c in plan.collectives if purpose(c) == "output"]
-    assert loss["edge"].endswith("->output[0]") and loss["nbytes"] == 4
+    assert loss.edge.endswith("->output[0]") and loss.nbytes == 4
     assert ("output", "all_reduce", "dp") in {
         (r["purpose"], r["kind"], r["axis"]) for r in collective_rows(plan)
     }
     # every gradient once, in DDP's buckets of 25 MiB (this model's fit in one)
-    assert sum(len(c["params"]) for c in tensors) == len(plan.params)
+    assert sum(len(c.params) for c in tensors) == len(plan.params)
     assert len(tensors) == plan.stats["buckets"] == 1
     assert not plan.recompute and "memory_budget" not in plan.stats  # unbounded, as given
 
@@ -99,14 +99,12 @@ def test_fsdp_expert_plan_shards_every_parameter_and_gathers_only_parameters(gpt
     plan = autopar.evaluate(model, MESH_4, inputs, experts.fsdp(MESH_4), **kw)
     assert all(ps == (Shard(0),) for ps in plan.param_placements.values())
     kinds = {
-        (purpose(c), c["kind"])
-        for c in plan.collectives
-        if c["nbytes"] > 4 and not inside_op(c["edge"])
+        (purpose(c), c.kind) for c in plan.collectives if c.nbytes > 4 and not inside_op(c.edge)
     }
     # parameters all-gathered before use, gradients reduce-scattered (ZeRO-3); the loss
     # all-reduces its count of targets inside its op (passes/vocab, "Rows")
     assert kinds == {("reshard", "all_gather"), ("gradient reduction", "reduce_scatter")}
-    gathered = {c["edge"].split("->")[0] for c in plan.collectives if c["kind"] == "all_gather"}
+    gathered = {c.edge.split("->")[0] for c in plan.collectives if c.kind == "all_gather"}
     params = set(plan.params.values())
     views = {n for n, c in plan.nodes.items() if c.op in ("aten.t.default", "aten.view.default")}
     assert gathered <= params | views
@@ -126,9 +124,9 @@ def test_megatron_expert_plan_splits_columns_then_rows(gpt):
     assert got["blocks.1.fc1.weight"] == (Replicate(), Shard(0))
     assert got["blocks.1.attn.o.weight"] == (Replicate(), Shard(1))
     assert got["blocks.1.ln1.weight"] == (Replicate(), Replicate())
-    on_dp = [c for c in plan.collectives if c["axis"] == "dp" and c["nbytes"] > 8]
+    on_dp = [c for c in plan.collectives if c.axis == "dp" and c.nbytes > 8]
     assert on_dp and all(purpose(c) == "gradient reduction" for c in on_dp)
-    assert any(c["axis"] == "tp" for c in plan.collectives)
+    assert any(c.axis == "tp" for c in plan.collectives)
 
 
 def test_fsdp_with_megatron_shards_each_weight_over_both_axes(gpt, monkeypatch):
@@ -158,9 +156,9 @@ def test_fsdp_with_megatron_shards_each_weight_over_both_axes(gpt, monkeypatch):
     assert exact.stats["variables"] > 1.5 * bf16.stats["variables"]
     assert bf16.cost["total_s"] == pytest.approx(exact.cost["total_s"], rel=1e-4)
     gathered = {
-        c["edge"].split("->")[0]
+        c.edge.split("->")[0]
         for c in plan.collectives
-        if c["axis"] == "dp" and purpose(c) == "reshard" and c["nbytes"] > 8
+        if c.axis == "dp" and purpose(c) == "reshard" and c.nbytes > 8
     }
     assert gathered and all(
         plan.nodes[n].role in ("param", "forward", "backward") for n in gathered
@@ -250,7 +248,7 @@ def test_attention_pin_fixes_every_attention_node_forward_and_backward(text, con
         assert fwd.ins[1] == fwd.ins[2] == ("S(2)",)
         assert bwd.out[1] == bwd.out[2] == ("S(2)",)
     inner = [
-        c for c in plan.collectives if c["edge"] in ("sdpa->sdpa", "sdpa_backward->sdpa_backward")
+        c for c in plan.collectives if c.edge in ("sdpa->sdpa", "sdpa_backward->sdpa_backward")
     ]
     # causal rows split: three load-balancing exchanges forward and three backward (passes/
     # rules); the ring adds its shifts: one of k and v forward, and backward one of k and v

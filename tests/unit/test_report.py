@@ -45,13 +45,14 @@ def _ends(edge: str) -> tuple[str, str]:
 
 
 def _bucket(span, plan: Plan) -> bool:
-    return any(c["edge"] == span.name and "bucket" in c for c in plan.collectives)
+    return any(c.edge == span.name and c.bucket is not None for c in plan.collectives)
 
 
 def _overlapped(span, plan: Plan) -> bool:
     """A bucket, or a reshard issued ahead of its consumer (passes/prefetch)."""
     return any(
-        c["edge"] == span.name and ("bucket" in c or "issue_after" in c) for c in plan.collectives
+        c.edge == span.name and (c.bucket is not None or c.issue_after is not None)
+        for c in plan.collectives
     )
 
 
@@ -67,7 +68,7 @@ def test_emitted_schedule_waits_for_every_collective_but_the_overlapped_ones(nam
     spans = schedule(plan)
     comm = [s for s in spans if s.stream == COMM]
     assert len(comm) == len(plan.collectives) > 0
-    overlaps = plan.stats["overlaps_collectives"]
+    overlaps = plan.overlaps_collectives
     assert overlaps == ("h100" in name)
     hidden = [s for s in comm if overlaps and _overlapped(s, plan)]
     full = plan.cost["compute_s"] + sum(plan.cost["comm_by_kind_s"].values())
@@ -88,8 +89,8 @@ def test_emitted_schedule_waits_for_every_collective_but_the_overlapped_ones(nam
         assert not any(s.start_s < c.end_s - 1e-15 and c.start_s < s.end_s - 1e-15
                        for s in compute if s.dur_s > 0), c  # fmt: skip
     # each gradient reduced once on an axis: in a bucket, or alone at the backward's end
-    grads = [c for c in plan.collectives if "->output[" in c["edge"] and "param" in c]
-    named = [(c["axis"], p) for c in grads for p in c.get("params", [c["param"]])]
+    grads = [c for c in plan.collectives if "->output[" in c.edge and c.param is not None]
+    named = [(c.axis, p) for c in grads for p in (c.params or [c.param])]
     assert len(named) == len(set(named))
     assert grads or name == "gpt-2x2-cpu-mem0.5"  # that plan keeps each gradient sharded
     last = max(s.end_s for s in compute)
@@ -121,7 +122,7 @@ def test_schedule_keeps_every_dependency_and_one_thing_per_stream(name, overlap)
             chains.setdefault(s.name, []).append(s)
     for edge, own in chains.items():
         assert [s.what.partition(",")[0] for s in own] == [
-            f"{c['kind']}@{c['axis']}" for c in plan.collectives if c["edge"] == edge
+            f"{c.kind}@{c.axis}" for c in plan.collectives if c.edge == edge
         ] or overlap  # (the overlapped schedule issues a reshard's when its input ends)
         ordered = sorted(own, key=lambda s: s.start_s)
         for a, b in zip(ordered, ordered[1:]):
@@ -137,7 +138,7 @@ def test_schedule_keeps_every_dependency_and_one_thing_per_stream(name, overlap)
             seen_recomputed += dst.startswith("recompute:")
     if name.startswith("gpt-4"):  # the reshards into the checkpointed layers' copies
         assert plan.recompute
-        assert seen_recomputed == sum("(recomputed)" in c["edge"] for c in plan.collectives)
+        assert seen_recomputed == sum("(recomputed)" in c.edge for c in plan.collectives)
 
 
 NOTHING_EARLY = {"gpt-2x2-cpu-mem0.5"}
@@ -160,18 +161,18 @@ def test_an_edges_collectives_on_two_axes_run_one_after_the_other():
     hierarchical RS -> AR -> AG) is a chain: on CUDA, where each axis has its own stream,
     the second still waits for the first's output, and the consumer for the last."""
     plan = _golden("hf-gpt2-2x2-h100-mem0.5")
-    assert plan.stats["overlaps_collectives"]
-    first = next(c for c in plan.collectives if purpose(c) == "reshard" and "bucket" not in c)
-    other = next(a for a in plan.mesh.axis_names if a != first["axis"])
-    second = dict(first, axis=other, kind="all_gather")
+    assert plan.overlaps_collectives
+    first = next(c for c in plan.collectives if purpose(c) == "reshard" and c.bucket is None)
+    other = next(a for a in plan.mesh.axis_names if a != first.axis)
+    second = dataclasses.replace(first, axis=other, kind="all_gather")
     listed = list(plan.collectives)
     listed.insert(listed.index(first) + 1, second)
     chained = dataclasses.replace(plan, collectives=tuple(listed))
     spans = schedule(chained)
-    a, b = (next(s for s in spans if s.stream == COMM and s.name == first["edge"]
-                 and _axis(s) == axis) for axis in (first["axis"], other))  # fmt: skip
+    a, b = (next(s for s in spans if s.stream == COMM and s.name == first.edge
+                 and _axis(s) == axis) for axis in (first.axis, other))  # fmt: skip
     assert b.start_s >= a.end_s - 1e-15 and a.dur_s > 0
-    dst = _ends(first["edge"])[1]
+    dst = _ends(first.edge)[1]
     consumer = next(s for s in spans if s.stream == COMPUTE and s.name == dst)
     assert consumer.start_s >= b.end_s - 1e-15
     assert step_length(spans) >= step_length(schedule(plan)) + b.dur_s - 1e-12
@@ -311,11 +312,11 @@ def test_collectives_an_op_runs_inside_it_are_drawn_under_it_and_not_waited_for(
     compute = {s.name: s for s in spans if s.stream == COMPUTE}
     own = lambda edge: len(set(_ends(edge))) == 1  # noqa: E731
     inside = [s for s in spans if s.stream == COMM and own(s.name)]
-    assert len(inside) == len([c for c in plan.collectives if own(c["edge"])]) > 0
+    assert len(inside) == len([c for c in plan.collectives if own(c.edge)]) > 0
     for s in inside:
         node = compute[_ends(s.name)[0]]
         assert node.start_s <= s.start_s < node.end_s, s
-    outside = sum(c["time_s"] for c in plan.collectives if not own(c["edge"]))
+    outside = sum(c.time_s for c in plan.collectives if not own(c.edge))
     total = sum(s.dur_s for s in compute.values()) + outside
     assert step_length(spans) == pytest.approx(total, rel=1e-9)
 

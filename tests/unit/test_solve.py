@@ -28,6 +28,7 @@ from autopar.core import Edge, Mesh, MixedPrecision, Sink, Strategy, StrategySpa
 from autopar.cost_models import compute_time, get_profile, redistribute_time
 from autopar.models import hf_llama, hf_logits_loss, lm_batch
 from autopar.passes.fold import fold_regions
+from autopar.passes.options import PlanOptions
 from autopar.passes.pins import Pin
 from autopar.passes.solve import SolveError, backend, build_ilp, driver, highs, overlap, solve
 from autopar.passes.solve import ilp as solve_ilp
@@ -176,7 +177,7 @@ def test_a_memory_budget_forces_the_weights_to_be_sharded():
     free_pick = {n: free.chosen(space, n) for n in space.order}
     assert free.stats["peak_bytes"] == _peak(space, free_pick)
     budget = 0.75 * _peak(space, free_pick)  # the whole weights no longer fit beside the rest
-    tight = solve(space, memory_budget=budget, mip_gap=0.0)
+    tight = solve(space, PlanOptions(memory_budget=budget), mip_gap=0.0)
     pick = {n: tight.chosen(space, n) for n in space.order}
     assert _peak(space, pick) <= budget
     assert tight.stats["peak_bytes"] == _peak(space, pick)
@@ -190,12 +191,14 @@ def test_an_impossible_budget_names_the_smallest_feasible_one():
     space = _space(batch=4096, hidden=1024, ffn=4096, data_parallel=True)
     least = min(_peak(space, p) for _, p in _brute_force(space))
     with pytest.raises(SolveError, match="smallest budget that fits") as e:
-        solve(space, memory_budget=least - 1024)  # above the solver's tolerance (~0.1 byte)
+        solve(
+            space, PlanOptions(memory_budget=least - 1024)
+        )  # above the solver's tolerance (~0.1 byte)
     (named,) = re.findall(r"\((\d+) bytes\)", str(e.value))
     assert int(named) == least
     assert "largest part is optimizer state" in str(e.value)  # 2 of every 3 weight bytes
     # and that budget is feasible
-    solve(space, memory_budget=least)
+    solve(space, PlanOptions(memory_budget=least))
 
 
 def test_a_time_limit_with_a_plan_in_hand_is_reported(monkeypatch):
@@ -208,7 +211,7 @@ def test_a_time_limit_with_a_plan_in_hand_is_reported(monkeypatch):
         return pywraplp.Solver.FEASIBLE  # what HiGHS says when the clock stops it
 
     monkeypatch.setattr(backend, "run", stopped_early)
-    sol = solve(space, time_limit_s=7)
+    sol = solve(space, PlanOptions(time_limit_s=7))
     assert sol.stats["status"] == "time_limit"
     assert sol.stats["best_bound"] <= sol.stats["incumbent"] + 1e-12
     (warning,) = sol.warnings
@@ -252,16 +255,18 @@ def test_the_callers_work_runs_on_its_thread_while_the_first_solve_runs(monkeypa
         ran.set()
 
     monkeypatch.setattr(backend, "run", run)
-    sol = solve(space, memory_budget=budget, judge=_Judge(prepare))
+    sol = solve(space, PlanOptions(memory_budget=budget), judge=_Judge(prepare))
     assert ran.is_set() and solves[0] != caller
-    assert sol.objective_s == pytest.approx(solve(space, memory_budget=budget).objective_s)
+    assert sol.objective_s == pytest.approx(
+        solve(space, PlanOptions(memory_budget=budget)).objective_s
+    )
 
     def failing(ilp, time_limit_s, mip_gap):
         raise RuntimeError("the solver failed")
 
     monkeypatch.setattr(backend, "run", failing)  # raised on the caller's thread
     with pytest.raises(RuntimeError, match="the solver failed"):
-        solve(space, memory_budget=budget, judge=_Judge())
+        solve(space, PlanOptions(memory_budget=budget), judge=_Judge())
 
 
 def test_no_plan_within_the_time_limit_is_an_error_that_says_so(monkeypatch):
@@ -272,7 +277,7 @@ def test_no_plan_within_the_time_limit_is_an_error_that_says_so(monkeypatch):
     ticks = itertools.count(0.0, 5.0)
     monkeypatch.setattr(driver, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks)))
     with pytest.raises(SolveError, match="no plan within its time limit of 3 s") as e:
-        solve(space, time_limit_s=3, memory_budget=1e12)
+        solve(space, PlanOptions(time_limit_s=3, memory_budget=1e12))
     assert "raise time_limit_s" in str(e.value) and "memory" not in str(e.value).split(":")[0]
 
 
@@ -282,7 +287,7 @@ def test_a_solver_that_gives_up_before_its_time_limit_is_not_said_to_have_run_ou
     space = _space(batch=8, hidden=1024, ffn=4096, data_parallel=True)
     monkeypatch.setattr(backend, "run", lambda *a: pywraplp.Solver.NOT_SOLVED)
     with pytest.raises(SolveError, match="stopped without a plan after") as e:
-        solve(space, time_limit_s=600, memory_budget=1e12)
+        solve(space, PlanOptions(time_limit_s=600, memory_budget=1e12))
     assert "before its time limit of 600 s" in str(e.value)
     assert "raise time_limit_s" not in str(e.value) and "AUTOPAR_SOLVER" in str(e.value)
 
@@ -322,14 +327,14 @@ def test_the_relaxation_runs_presolve_only_where_the_ilp_has_memory_cuts(monkeyp
     assert calls and not any(presolve for _, presolve in calls)
     calls.clear()
     budget = 0.75 * free.stats["peak_bytes"]
-    tight = solve(space, memory_budget=budget)
+    tight = solve(space, PlanOptions(memory_budget=budget))
     # the first round has no cut; the rounds after it add them, and presolve with them
     assert not calls[0][1] and calls[-1][1] and calls[-1][0] > calls[0][0]
     monkeypatch.setattr(highs, "relaxation", real)
     # the plans are the ILP's either way
     assert free.choice == solve(space, mip_gap=0.0).choice
     assert tight.objective_s == pytest.approx(
-        solve(space, memory_budget=budget, mip_gap=0.0).objective_s
+        solve(space, PlanOptions(memory_budget=budget), mip_gap=0.0).objective_s
     )
 
 
@@ -485,16 +490,16 @@ def test_a_budget_below_the_models_state_is_said_at_once_with_that_floor(monkeyp
 
     monkeypatch.setattr(driver, "build_ilp", never)
     with pytest.raises(SolveError, match="alone take at least") as e:
-        solve(space, memory_budget=floor - 1024)
+        solve(space, PlanOptions(memory_budget=floor - 1024))
     assert e.value.floor_bytes == floor and e.value.least_bytes is None
     assert "a mesh of at least 3 ranks" in str(e.value)  # twice the floor over 2 ranks, and more
     with pytest.raises(SolveError, match="alone take at least") as e:
-        solve(space, memory_budget=0)
-    assert "use a larger budget" in str(e.value)
+        solve(space, PlanOptions(memory_budget=1))  # (a budget is > 0: PlanOptions)
+    assert "or a larger budget" in str(e.value)
     monkeypatch.undo()
     # at the floor itself, the solver decides (here: nothing fits, and it names the least)
     with pytest.raises(SolveError, match="smallest budget that fits") as e:
-        solve(space, memory_budget=floor)
+        solve(space, PlanOptions(memory_budget=floor))
     assert e.value.least_bytes == least and e.value.floor_bytes is None
 
 
@@ -512,12 +517,12 @@ def test_pinned_parameters_count_at_their_placement_in_the_floor(monkeypatch):
     assert even < one < floor
     monkeypatch.setattr(driver, "build_ilp", lambda *a, **k: pytest.fail("an ILP was built"))
     with pytest.raises(SolveError, match="the 2 pinned parameters as pinned") as e:
-        solve(space, memory_budget=(even + floor) / 2, pins=replicated)
+        solve(space, PlanOptions(memory_budget=(even + floor) / 2, pins=tuple(replicated)))
     assert e.value.floor_bytes == floor and "a mesh of at least" not in str(e.value)
     monkeypatch.undo()
     # unpinned, the same budget is above the floor: the ILP decides (and names the least)
     with pytest.raises(SolveError, match="smallest budget that fits") as e:
-        solve(space, memory_budget=(even + floor) / 2)
+        solve(space, PlanOptions(memory_budget=(even + floor) / 2))
     assert e.value.floor_bytes is None
 
 
@@ -528,5 +533,5 @@ def test_the_state_floor_is_under_a_traced_layers_plan_and_refuses_below_it(llam
     plan = solve(llama_layer)
     assert 0 < floor <= plan.stats["peak_bytes"]
     with pytest.raises(SolveError, match="alone take at least") as e:
-        solve(llama_layer, memory_budget=0.99 * floor)
+        solve(llama_layer, PlanOptions(memory_budget=0.99 * floor))
     assert e.value.floor_bytes == floor
